@@ -1,0 +1,50 @@
+"""Tiny odd-sized random targets and drafters of every family, for fast equivalence tests."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import angelspec_hf  # noqa: F401  (registers the Auto classes)
+from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
+
+FAMILIES = {
+    "mtp": (MTPDrafter, {"num_draft_tokens": 3}),
+    "dflash": (DFlashDrafter, {"block_size": 4}),
+    "dfly": (DFlyDrafter, {"block_size": 5}),
+}
+
+
+def tiny_target(vocab_size=99, seed=0, attn_implementation="eager", skew=6.0):
+    """A random 4-layer Llama. `skew` scales three LM-head rows so that target and (random) drafters often agree,
+    which makes drafts get accepted and exercises the acceptance path."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation=attn_implementation,
+    )
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight[3:6] *= skew
+    return target
+
+
+def tiny_drafter(family, target, seed=1, **overrides):
+    cls, defaults = FAMILIES[family]
+    torch.manual_seed(seed)
+    drafter = cls.from_target(target, **(defaults | overrides)).eval()
+    if family == "dfly":  # a trained-looking AR head (it starts at zero, which would make it a no-op)
+        with torch.no_grad():
+            drafter.ar_head.down_proj.weight.normal_(std=0.2)
+            drafter.layer_fusion_weights.normal_()
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param

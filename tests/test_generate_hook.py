@@ -1,0 +1,127 @@
+"""`target.generate(assistant_model=drafter)`: lossless greedy output, usual generate features, clear errors."""
+
+import inspect
+
+import pytest
+import torch
+from transformers import TextStreamer
+from transformers.generation import GenerationMixin
+
+from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
+from conftest import tiny_drafter, tiny_target
+
+
+def _greedy(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def test_greedy_identity_many_prompts(target, family):
+    drafter = tiny_drafter(family, target)
+    gen = torch.Generator().manual_seed(7)
+    accepted = 0
+    for trial in range(12):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        ids = torch.randint(3, 99, (1, length), generator=gen)
+        new = int(torch.randint(1, 48, (1,), generator=gen))
+        ref = _greedy(target, ids, max_new_tokens=new)
+        out = _greedy(target, ids, max_new_tokens=new, assistant_model=drafter)
+        assert torch.equal(ref, out), f"{family} diverged on trial {trial} (prompt {length}, new {new})"
+        accepted += sum(drafter.last_speculation_stats.accepted)
+    assert accepted > 0, "no draft token was ever accepted: the acceptance path went untested"
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_identity_both_attention_backends(family, attn):
+    target = tiny_target(attn_implementation=attn, seed=3)
+    drafter = tiny_drafter(family, target)
+    drafter.set_attn_implementation(attn)
+    ids = torch.randint(3, 99, (1, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_greedy(target, ids, max_new_tokens=40), _greedy(target, ids, max_new_tokens=40, assistant_model=drafter))
+
+
+def test_eos_and_return_dict(target, family):
+    drafter = tiny_drafter(family, target)
+    ids = torch.randint(3, 99, (1, 6), generator=torch.Generator().manual_seed(5))
+    plain = _greedy(target, ids, max_new_tokens=30)
+    eos = int(plain[0, ids.shape[1] + 7])  # a token the target really emits mid-way
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    ref = target.generate(ids, **kwargs, return_dict_in_generate=True, output_scores=True)
+    out = target.generate(ids, **kwargs, assistant_model=drafter, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert int(out.sequences[0, -1]) == eos and out.sequences.shape[1] < ids.shape[1] + 30
+    assert len(out.scores) == len(ref.scores) == out.sequences.shape[1] - ids.shape[1]
+    for a, b in zip(ref.scores, out.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_streamer_receives_every_token(target, family):
+    class Collect(TextStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.chunks.append("end")
+
+    drafter = tiny_drafter(family, target)
+    ids = torch.randint(3, 99, (1, 8), generator=torch.Generator().manual_seed(2))
+    streamer = Collect()
+    out = _greedy(target, ids, max_new_tokens=25, assistant_model=drafter, streamer=streamer)
+    assert streamer.chunks[-1] == "end"
+    streamed = [t for chunk in streamer.chunks[:-1] for t in chunk]
+    assert streamed == out[0].tolist()  # the prompt first, then every accepted token once
+
+
+def test_batch_over_one_names_the_batched_api(target, family):
+    drafter = tiny_drafter(family, target)
+    ids = torch.randint(3, 99, (2, 5))
+    with pytest.raises(ValueError, match="generate_batch"):
+        _greedy(target, ids, max_new_tokens=5, assistant_model=drafter)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vocab_size": 98}, "vocab_size 98 does not match the target's vocab_size 99"),
+        ({"hidden_size": 48, "head_dim": 12}, "hidden_size 48 does not match the target's hidden_size 32"),
+        ({"target_layer_ids": [1, 5], "num_target_layers": None}, r"reach layer 5, but the target has only 4 layers"),
+    ],
+)
+def test_mismatched_drafter_and_target(target, change, message):
+    drafter = DFlashDrafter.from_target(target, block_size=4, **change)
+    with pytest.raises(ValueError, match=message):
+        _greedy(target, torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=drafter)
+
+
+def test_other_assistants_untouched(target):
+    """The hook only routes AngelSpec drafters; transformers' own paths still run (here prompt lookup)."""
+    tiny_drafter("mtp", target)  # installs the hook
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    assert torch.equal(_greedy(target, ids, max_new_tokens=12), _greedy(target, ids, max_new_tokens=12, prompt_lookup_num_tokens=3))
+
+
+def test_transformers_builtin_dflash_path_runs_our_drafter(target):
+    drafter = tiny_drafter("dflash", target)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        ids = torch.randint(3, 99, (1, int(torch.randint(2, 20, (1,), generator=gen))), generator=gen)
+        ref = _greedy(target, ids, max_new_tokens=30)
+        out = _greedy(target, ids, max_new_tokens=30, assistant_model=drafter, speculation_type="dflash")
+        assert torch.equal(ref, out)
+
+
+def test_builtin_dflash_path_refuses_dfly(target):
+    with pytest.raises(ValueError, match="speculation_type='dflash'"):
+        _greedy(target, torch.tensor([[5, 6]]), max_new_tokens=3, assistant_model=tiny_drafter("dfly", target),
+                speculation_type="dflash")
+
+
+def test_hooked_transformers_signatures(target):
+    """The two private methods the hook wraps still take the arguments it reads (fails on a transformers change)."""
+    tiny_drafter("mtp", target)  # installs the hook
+    get = inspect.signature(GenerationMixin._get_candidate_generator.__wrapped__).parameters
+    validate = inspect.signature(GenerationMixin._validate_generation_mode.__wrapped__).parameters
+    assert {"generation_config", "input_ids", "logits_processor", "assistant_model"} <= set(get)
+    assert {"generation_config", "generation_mode_kwargs"} <= set(validate)

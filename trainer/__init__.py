@@ -1,0 +1,1 @@
+"""Drafter training with the HF `Trainer` (issue #3): not implemented yet."""
