@@ -135,7 +135,10 @@ def load_foreign_checkpoint(cls, path_or_repo, **kwargs):
             continue
         if cls is not None and not issubclass(drafter_cls, cls):
             raise ValueError(f"{path_or_repo} is a {name} checkpoint; load it with {drafter_cls.__name__}, not {cls.__name__}")
-        config = build_config(cfg, kwargs.get("config_overrides", {}))
+        # As with `from_pretrained(path, attr=value)`, other keyword arguments override config fields
+        # (e.g. `block_size=8` for an AngelSpec checkpoint, whose config.json does not record it).
+        overrides = {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS + ("dtype", "torch_dtype")}
+        config = build_config(cfg, overrides)
         state = rename(_load_safetensors(str(path_or_repo), hub_kwargs))
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
         if dtype == "auto":

