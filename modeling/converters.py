@@ -27,6 +27,10 @@ from .drafter_utils import read_config_dict
 logger = logging.getLogger(__name__)
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+# `from_pretrained` arguments that are not config fields (the attention backend is applied after loading).
+_LOADER_KWARGS = _HUB_KWARGS + (
+    "dtype", "torch_dtype", "attn_implementation", "trust_remote_code", "device_map", "low_cpu_mem_usage", "_from_auto",
+)
 _QWEN3_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias",
@@ -137,7 +141,7 @@ def load_foreign_checkpoint(cls, path_or_repo, **kwargs):
             raise ValueError(f"{path_or_repo} is a {name} checkpoint; load it with {drafter_cls.__name__}, not {cls.__name__}")
         # As with `from_pretrained(path, attr=value)`, other keyword arguments override config fields
         # (e.g. `block_size=8` for an AngelSpec checkpoint, whose config.json does not record it).
-        overrides = {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS + ("dtype", "torch_dtype")}
+        overrides = {k: v for k, v in kwargs.items() if k not in _LOADER_KWARGS}
         config = build_config(cfg, overrides)
         state = rename(_load_safetensors(str(path_or_repo), hub_kwargs))
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
@@ -147,5 +151,7 @@ def load_foreign_checkpoint(cls, path_or_repo, **kwargs):
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{name} checkpoint {path_or_repo}: missing weights {missing}, unexpected weights {unexpected}")
+        if kwargs.get("attn_implementation"):
+            model.set_attn_implementation(kwargs["attn_implementation"])
         return model.to(dtype).eval()
     return None

@@ -64,7 +64,9 @@ def write_angelspec_dfly(folder, drafter, target):
 def test_zlab_dflash_checkpoint(tmp_path, target, nested):
     drafter = tiny_drafter("dflash", target, target_layer_ids=[0, 2, 3])
     write_zlab_dflash(tmp_path, drafter, nested_block_size=nested)
-    for loaded in (DFlashDrafter.from_pretrained(tmp_path), angelspec_hf.load_drafter(tmp_path)):
+    loaders = (DFlashDrafter.from_pretrained(tmp_path), angelspec_hf.load_drafter(tmp_path),
+               DFlashDrafter.from_pretrained(tmp_path, attn_implementation="eager", trust_remote_code=False))
+    for loaded in loaders:
         assert type(loaded) is DFlashDrafter
         assert loaded.config.block_size == drafter.config.block_size
         assert loaded.config.target_layer_ids == [0, 2, 3] and loaded.config.mask_token_id == drafter.config.mask_token_id
@@ -73,6 +75,7 @@ def test_zlab_dflash_checkpoint(tmp_path, target, nested):
     ids = torch.tensor([[5, 9, 11, 4]])
     kw = dict(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     assert torch.equal(target.generate(ids, **kw), target.generate(ids, **kw, assistant_model=loaded))
+    assert loaders[2].config._attn_implementation == "eager"
 
 
 def test_angelspec_dfly_checkpoint(tmp_path, target):
