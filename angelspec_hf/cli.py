@@ -1,5 +1,6 @@
 """`angelspec` command line. `angelspec generate` is the main job: speculative generation on the embedded target,
-printing the text, the mean accepted length and the speed-up over plain `generate`, measured side by side."""
+printing the text, the mean accepted length and the speed-up over plain `generate`, measured side by side.
+`angelspec regenerate` writes the target's own responses to TRAIN prompts (self-distillation data)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
@@ -71,6 +73,30 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    import re
+
+    import torch
+
+    import angelspec_hf
+    from angelspec_hf.trainer.data import load_train_prompts
+    from angelspec_hf.trainer.regenerate import regenerate
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer = angelspec_hf.load_target(args.target)
+    slug = re.sub(r"[^a-z0-9]+", "-", (args.target or "smollm2-135m-instruct").lower()).strip("-")
+    out_dir = Path(args.out or f"data/regenerated/{slug}")
+    for name in args.sets.split(","):
+        records = load_train_prompts(name)[: args.limit]
+        stats = regenerate(
+            target, tokenizer, records, out_dir / f"{name}.jsonl", batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, do_sample=args.sample,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        )
+        print(f"{name}: {stats}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="angelspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +109,20 @@ def main(argv=None) -> int:
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
+    reg = sub.add_parser("regenerate", help="the target's own responses to TRAIN prompts (resumable jsonl)")
+    reg.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
+    reg.add_argument("--sets", default="code_alpaca,gsm8k,gpteacher_codegen,sharegpt,alpaca")
+    reg.add_argument("--out", default=None, help="output folder (default: data/regenerated/<target>)")
+    reg.add_argument("--limit", type=int, default=None, help="first N prompts of each set (a fixed random order)")
+    reg.add_argument("--batch-size", type=int, default=16)
+    reg.add_argument("--max-new-tokens", type=int, default=256)
+    reg.add_argument("--max-prompt-tokens", type=int, default=512)
+    reg.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    reg.add_argument("--temperature", type=float, default=1.0)
+    reg.add_argument("--top-p", type=float, default=1.0)
+    reg.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    reg.add_argument("--seed", type=int, default=0)
+    reg.set_defaults(func=cmd_regenerate)
     args = parser.parse_args(argv)
     return args.func(args)
 

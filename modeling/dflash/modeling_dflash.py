@@ -105,6 +105,7 @@ class DFlashDrafter(DrafterPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache=None,
+        previous_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> DrafterOutput:
         r"""
@@ -116,10 +117,13 @@ class DFlashDrafter(DrafterPreTrainedModel):
             Positions of the new context tokens then of the block; defaults to following the cache.
         attention_mask (`torch.Tensor`, *optional*):
             A 2-D padding mask over `cache + num_new + block_size` keys, or a 4-D additive mask
-            `(batch_size, 1, block_size, kv_len)`.
+            `(batch_size, 1, block_size, kv_len)` (training packs many blocks into one forward this way).
+        previous_ids (`torch.LongTensor` of shape `(batch_size, block_size)`, *optional*):
+            Training only: the true token before each row, for DFly's teacher-forced AR head.
 
         Returns `DrafterOutput` with `last_hidden_state` of shape `(batch_size, block_size, hidden_size)` (after the
-        final norm; the target's LM head turns rows 1.. into draft logits).
+        final norm, and DFly's AR head when `previous_ids` is given; the target's LM head turns rows 1.. into draft
+        logits).
         """
         batch, block, _ = noise_embeds.shape
         num_new = context_hidden_states.shape[1]
@@ -134,7 +138,11 @@ class DFlashDrafter(DrafterPreTrainedModel):
                 hidden, attention_mask=mask, cache=cache, position_embeddings=position_embeddings,
                 context_states=context,
             )
-        return DrafterOutput(last_hidden_state=self.norm(hidden), cache=cache)
+        return DrafterOutput(last_hidden_state=self.correct_rows(self.norm(hidden), previous_ids), cache=cache)
+
+    def correct_rows(self, hidden: torch.Tensor, previous_ids: torch.LongTensor | None) -> torch.Tensor:
+        """Hook for DFly's AR head (teacher-forced in training); DFlash's rows go to the LM head unchanged."""
+        return hidden
 
     def block_logits(self, hidden, anchor_ids, embed_tokens, lm_head, select, prefix):
         """Draft logits and tokens for block rows 1..: DFlash decodes them all in parallel."""

@@ -65,8 +65,19 @@ class DFlyDrafter(DFlashDrafter):
         fused = torch.einsum("bnth,lt->lbnh", per_layer, mix)
         return [self.hidden_norm(shared + fused[i]) for i in range(len(self.layers))]
 
+    def bind_embeddings(self, embed_tokens: nn.Module) -> None:
+        """Training: give the AR head the target's (frozen) embedding table; it is not stored in the drafter."""
+        self._embed_tokens = [embed_tokens]  # a list, so it is not registered as a submodule
+
+    def correct_rows(self, hidden: torch.Tensor, previous_ids: torch.LongTensor | None) -> torch.Tensor:
+        if previous_ids is None or self.ar_head is None:
+            return hidden
+        if not getattr(self, "_embed_tokens", None):
+            raise ValueError("teacher-forced AR head needs the target's embedding: call drafter.bind_embeddings(...)")
+        return self.ar_head(hidden, self._embed_tokens[0](previous_ids).to(hidden.dtype))
+
     def ar_logits(self, hidden: torch.Tensor, previous_ids: torch.LongTensor, embed_tokens, lm_head) -> torch.Tensor:
-        """Teacher-forced logits `[B, K, V]` for block rows with hidden `[B, K, H]` and predecessors `[B, K]`."""
+        """Logits `[B, K, V]` for block rows with hidden `[B, K, H]` and predecessors `[B, K]`."""
         if self.ar_head is not None:
             hidden = self.ar_head(hidden, embed_tokens(previous_ids).to(hidden.dtype))
         return lm_head(hidden.to(lm_head.weight.dtype))

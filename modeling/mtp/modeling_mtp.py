@@ -51,13 +51,16 @@ class MTPDrafter(DrafterPreTrainedModel):
         context_hidden_states (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`):
             Target hidden states `h_t` (or the drafter's own previous output when chaining).
         inputs_embeds (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`):
-            Target embeddings of the next tokens `x_{t+1}`.
+            Target embeddings of the next tokens `x_{t+1}`. Training passes `(batch_size, S, seq_len, hidden_size)`
+            (the next tokens of S chained steps) to unroll S steps in one call, see `_unrolled`.
         attention_mask (`torch.Tensor` of shape `(batch_size, 1, seq_len, past + seq_len)`, *optional*):
             Additive mask; defaults to causal over `cache + seq_len`.
 
         Returns `DrafterOutput`: `last_hidden_state` `(batch_size, seq_len, hidden_size)` is the pre-norm output that
         chains into the next step; `logits` `(batch_size, seq_len, vocab_size)` when `lm_head` is given.
         """
+        if inputs_embeds.dim() == 4:
+            return self._unrolled(context_hidden_states, inputs_embeds, lm_head)
         batch, seq_len, _ = inputs_embeds.shape
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
@@ -70,6 +73,30 @@ class MTPDrafter(DrafterPreTrainedModel):
             hidden = layer(hidden, attention_mask=attention_mask, cache=cache, position_embeddings=position_embeddings)
         logits = self.head(hidden, lm_head) if lm_head is not None else None
         return DrafterOutput(last_hidden_state=hidden, logits=logits, cache=cache)
+
+    def _unrolled(self, target_hidden: torch.Tensor, step_embeds: torch.Tensor, lm_head=None) -> DrafterOutput:
+        """Training: S chained steps over a whole sequence in one call, attending as drafting does.
+
+        Step 1 reads the target's hidden state `h_t` with `embed(x_{t+1})` at position t; step j > 1 reads its own
+        step j-1 output at index t with `embed(x_{t+j})` at position t + j - 1. A step-j query at index t sees step-1
+        keys at indices <= t (the accepted context) and, of later steps, only its own chain (index t) - the KV cache
+        drafting builds. Returns `last_hidden_state` `(batch, S, L, hidden)`.
+        """
+        batch, steps, length, _ = step_embeds.shape
+        device, dtype = step_embeds.device, step_embeds.dtype
+        cache = DynamicCache(config=self.config)
+        index = torch.arange(length, device=device)
+        context_keys = index[None, :] <= index[:, None]  # [L, L] causal
+        own_chain = index[None, :] == index[:, None]
+        hidden, outputs = target_hidden, []
+        for j in range(steps):
+            allowed = torch.cat([context_keys] + [own_chain] * j, dim=1)  # [L, (j + 1) L]
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            positions = (index + j).expand(batch, -1)
+            hidden = self(hidden, step_embeds[:, j], positions, mask[None, None], cache=cache).last_hidden_state
+            outputs.append(hidden)
+        stacked = torch.stack(outputs, dim=1)
+        return DrafterOutput(last_hidden_state=stacked, logits=self.head(stacked, lm_head) if lm_head else None)
 
     def head(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         return lm_head(self.norm(hidden).to(lm_head.weight.dtype))

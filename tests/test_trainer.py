@@ -1,0 +1,173 @@
+"""DrafterTrainer on a tiny random target (real tokenizer, real regenerated files): training computes exactly what
+drafting computes, the loss goes down, resume continues identically, and batch x accumulation splits agree."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
+from angelspec_hf.targets import GGUF_FILE, default_target_path
+from angelspec_hf.trainer.arguments import DrafterTrainingArguments
+from angelspec_hf.trainer.data import load_train_prompts
+from angelspec_hf.trainer.dataset import DrafterCollator, load_regenerated
+from angelspec_hf.trainer.features import target_features
+from angelspec_hf.trainer.regenerate import regenerate
+from angelspec_hf.trainer.trainer import DrafterTrainer, pack_blocks
+
+CLASSES = {"mtp": (MTPDrafter, {"num_draft_tokens": 3}), "dflash": (DFlashDrafter, {"block_size": 4}),
+           "dfly": (DFlyDrafter, {"block_size": 4})}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("regenerated")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a few favoured tokens: the target's replies become learnable in a few dozen steps
+        target.lm_head.weight[3:6] *= 8
+    for name in ("gsm8k", "code_alpaca", "sharegpt"):
+        regenerate(target, tokenizer, load_train_prompts(name)[:8], folder / f"{name}.jsonl", batch_size=8,
+                   max_new_tokens=24, max_prompt_tokens=200, progress=False)
+    return target, tokenizer, folder
+
+
+def make_drafter(family, target, seed=1):
+    cls, kw = CLASSES[family]
+    torch.manual_seed(seed)
+    drafter = cls.from_target(target, **kw)
+    if family == "dfly":
+        with torch.no_grad():
+            drafter.ar_head.down_proj.weight.normal_(std=0.1)
+    return drafter
+
+
+def make_args(tmp_path, family, folder, **kw):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"), drafter_type=family, block_size=4, num_anchors=4, mtp_num_steps=3,
+        regenerated_dir=str(folder), train_sets=["gsm8k", "code_alpaca", "sharegpt"], per_device_train_batch_size=4,
+        learning_rate=3e-3, max_steps=30, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        seed=0, data_seed=0, max_seq_length=192, dataloader_num_workers=0,
+    )
+    return DrafterTrainingArguments(**(defaults | kw))
+
+
+def dataset_for(setup, args):
+    target, tokenizer, folder = setup
+    return load_regenerated(tokenizer, folder, args.train_sets, max_length=args.max_seq_length)
+
+
+class LossLog(TrainerCallback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+
+def train(setup, args, drafter, callbacks=(), resume=None):
+    target, tokenizer, _ = setup
+    trainer = DrafterTrainer(drafter, args, target, train_dataset=dataset_for(setup, args),
+                             data_collator=DrafterCollator(tokenizer.pad_token_id), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def teacher(tokens):
+    """A `select` that picks the true next tokens (teacher forcing), so drafting follows the training sequence."""
+    it = iter(tokens)
+
+    def select(logits, prefix):
+        return logits.float(), torch.tensor([next(it)])
+
+    return select
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_training_forward_equals_drafting(setup, family):
+    target, tokenizer, folder = setup
+    drafter = make_drafter(family, target).eval()
+    if family == "dfly":
+        drafter.bind_embeddings(target.get_input_embeddings())
+    ex = load_regenerated(tokenizer, folder, ["gsm8k"])[0]
+    ids = torch.tensor([ex["input_ids"]])
+    layer_ids = drafter.config.target_layer_ids
+    features = target_features(target, ids, torch.ones_like(ids), layer_ids)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        if family == "mtp":
+            steps, length = 3, ids.shape[1] - 1
+            step_tokens = torch.stack([torch.cat([ids[0, 1 + j:], ids.new_zeros(j)])[:length] for j in range(steps)])
+            hidden = drafter(features[:, :length], embed(step_tokens[None])).last_hidden_state[0]  # [S, L, H]
+            for t in (3, 10, length - steps - 1):
+                draft_logits = drafter.propose(
+                    drafter.new_draft_state(), features[:, : t + 1], ids[:, : t + 2], steps, embed, lm_head,
+                    teacher(ids[0, t + 2 : t + 2 + steps].tolist()))[1][0]
+                for j in range(steps):
+                    torch.testing.assert_close(drafter.head(hidden[j, t], lm_head), draft_logits[j], rtol=1e-4, atol=1e-4)
+        else:
+            block = drafter.config.block_size
+            supervised = torch.tensor([ex["supervised"]]).bool()
+            block_ids, position_ids, keep, labels, previous, valid = pack_blocks(
+                ids, supervised, torch.ones_like(ids), torch.tensor([0]), 3, block, drafter.config.mask_token_id, 0)
+            mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+            hidden = drafter(embed(block_ids), features, position_ids, mask[:, None], previous_ids=previous).last_hidden_state
+            rows = hidden.view(3, block, -1)
+            anchors = position_ids[0, ids.shape[1]::block]
+            for i, a in enumerate(anchors.tolist()):
+                assert valid[0, i].any()
+                draft_logits = drafter.propose(
+                    drafter.new_draft_state(), features[:, :a], ids[:, : a + 1], block - 1, embed, lm_head,
+                    teacher(ids[0, a + 1 : a + block].tolist()))[1][0]
+                torch.testing.assert_close(lm_head(rows[i, 1:]), draft_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_loss_goes_down(setup, tmp_path, family):
+    log = LossLog()
+    train(setup, make_args(tmp_path, family, setup[2], max_steps=30, learning_rate=1e-2), make_drafter(family, setup[0]),
+          [log])
+    losses = [log.losses[s] for s in sorted(log.losses)]
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, " ".join(f"{x:.2f}" for x in losses)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+def test_resume_continues_identically(setup, tmp_path):
+    args = dict(max_steps=12, save_strategy="steps", save_steps=6)
+    full = LossLog()
+    train(setup, make_args(tmp_path / "a", "dfly", setup[2], **args), make_drafter("dfly", setup[0]), [full])
+    interrupted = make_args(tmp_path / "b", "dfly", setup[2], **args)
+    train(setup, interrupted, make_drafter("dfly", setup[0]), [StopAt(6)])
+    resumed = LossLog()
+    train(setup, interrupted, make_drafter("dfly", setup[0], seed=123), [resumed],
+          resume=str(tmp_path / "b" / "out" / "checkpoint-6"))
+    assert sorted(resumed.losses) == list(range(7, 13))
+    for step in range(7, 13):
+        assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mtp", "dfly"])
+def test_batch_times_accumulation_invariance(setup, tmp_path, family):
+    results = []
+    for batch, accumulation in ((4, 1), (2, 2), (1, 4)):
+        drafter = make_drafter(family, setup[0])
+        log = LossLog()
+        args = make_args(tmp_path / f"{batch}", family, setup[2], max_steps=1, per_device_train_batch_size=batch,
+                         gradient_accumulation_steps=accumulation, optim="sgd", learning_rate=0.5)
+        train(setup, args, drafter, [log])
+        results.append((log.losses[1], torch.cat([p.detach().flatten() for p in drafter.parameters()])))
+    for loss, params in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-5)
+        torch.testing.assert_close(params, results[0][1], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,78 @@
+"""`DrafterTrainingArguments`: every drafter hyper-parameter as a validated `TrainingArguments` field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .data import TRAIN_SETS
+
+DRAFTER_TYPES = ("mtp", "dflash", "dfly")
+RECIPES = {"mtp": ("sharegpt", "alpaca"), "dflash": ("gsm8k", "code_alpaca", "gpteacher_codegen"),
+           "dfly": ("gsm8k", "code_alpaca", "gpteacher_codegen")}
+
+
+@dataclass
+class DrafterTrainingArguments(TrainingArguments):
+    drafter_type: str = field(default="dfly", metadata={"help": f"Drafter family: one of {DRAFTER_TYPES}."})
+    block_size: int = field(default=8, metadata={"help": "DFlash/DFly: tokens per block (anchor + block_size-1 masks)."})
+    num_anchors: int = field(default=16, metadata={"help": "DFlash/DFly: blocks sampled per training sequence."})
+    loss_decay_gamma: float = field(
+        default=4.0, metadata={"help": "DFlash/DFly: block row k is weighted exp(-(k-1)/gamma)."}
+    )
+    mtp_num_steps: int = field(default=4, metadata={"help": "MTP: unrolled prediction steps (= draft tokens)."})
+    mtp_step_weights: list[float] | None = field(
+        default=None, metadata={"help": "MTP: loss weight of each step; default 0.8**j for step j (0-based)."}
+    )
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Target layers the drafter reads (0-based); default: the family's choice."}
+    )
+    num_drafter_layers: int | None = field(default=None, metadata={"help": "Drafter depth; default: the family's."})
+    feature_mode: str = field(
+        default="online", metadata={"help": "'online': target features computed per batch (no disk); 'cached': "
+                                            "computed once, stored as fp16 Arrow and memory-mapped."}
+    )
+    feature_cache_dir: str | None = field(default=None, metadata={"help": "Where 'cached' features go."})
+    train_sets: list[str] | None = field(
+        default=None, metadata={"help": f"TRAIN sets to mix (of {sorted(TRAIN_SETS)}); default: the family's recipe."}
+    )
+    regenerated_dir: str = field(
+        default="data/regenerated/smollm2-135m-instruct",
+        metadata={"help": "Folder of `<set>.jsonl` target-regenerated responses (`angelspec regenerate`)."},
+    )
+    max_seq_length: int = field(default=768, metadata={"help": "Training sequences are cut to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training samples."})
+    eval_prompts: int = field(
+        default=0, metadata={"help": "Acceptance eval: this many EVAL prompts per set, τ measured with generate()."}
+    )
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "Acceptance eval: tokens generated per prompt."})
+
+    def __post_init__(self):
+        if self.drafter_type not in DRAFTER_TYPES:
+            raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        if self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma must be positive, got {self.loss_decay_gamma}")
+        if self.mtp_num_steps < 1:
+            raise ValueError(f"mtp_num_steps must be >= 1, got {self.mtp_num_steps}")
+        if self.mtp_step_weights is None:
+            self.mtp_step_weights = [0.8**j for j in range(self.mtp_num_steps)]
+        if len(self.mtp_step_weights) != self.mtp_num_steps or min(self.mtp_step_weights) < 0:
+            raise ValueError(
+                f"mtp_step_weights needs {self.mtp_num_steps} non-negative weights, got {self.mtp_step_weights}"
+            )
+        if self.feature_mode not in ("online", "cached"):
+            raise ValueError(f"feature_mode must be 'online' or 'cached', got {self.feature_mode!r}")
+        if self.feature_mode == "cached" and not self.feature_cache_dir:
+            raise ValueError("feature_mode='cached' needs feature_cache_dir")
+        if self.train_sets is None:
+            self.train_sets = list(RECIPES[self.drafter_type])
+        unknown = set(self.train_sets) - set(TRAIN_SETS)
+        if unknown:
+            raise ValueError(f"unknown train_sets {sorted(unknown)}; choose from {sorted(TRAIN_SETS)}")
+        self.remove_unused_columns = False  # the collator's columns are all used by compute_loss
+        super().__post_init__()

@@ -1,0 +1,54 @@
+"""Drafter losses as pure functions (the Trainer only wires them). All return a *sum* divided by `num_items`, the
+number of supervised (assistant) tokens in the whole optimisation step, so that splitting a batch into micro-batches
+under gradient accumulation gives the same gradient as the whole batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sample_anchors(
+    supervised: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Anchor positions `[num_anchors]` for one sequence and which of them are real.
+
+    `supervised` `[T]` marks tokens that carry a loss (assistant tokens). An anchor `a` is the last verified token of
+    a block, so it needs a supervised token right after it (`supervised[a + 1]`) and some context before it
+    (`a >= 1`). Anchors are drawn without replacement; when fewer positions qualify, the rest are padding (False).
+    """
+    candidates = torch.nonzero(supervised[2:], as_tuple=False).flatten() + 1  # a >= 1 with supervised[a + 1]
+    order = torch.randperm(candidates.numel(), generator=generator, device="cpu").to(candidates.device)
+    chosen = candidates[order[:num_anchors]].sort().values
+    valid = torch.ones(num_anchors, dtype=torch.bool, device=supervised.device)
+    if chosen.numel() < num_anchors:
+        valid[chosen.numel():] = False
+        chosen = torch.cat([chosen, chosen.new_zeros(num_anchors - chosen.numel())])
+    return chosen, valid
+
+
+def weighted_cross_entropy(logits: torch.Tensor, labels: torch.LongTensor, weights: torch.Tensor, num_items):
+    """`Σ_i weights_i · CE(logits_i, labels_i) / num_items` over supervised rows: logits `[M, V]`, labels `[M]`."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (ce * weights).sum() / _as_count(num_items, ce)
+
+
+def block_diffusion_loss(logits, labels, rows: torch.LongTensor, gamma: float, num_items) -> torch.Tensor:
+    """DFlash / DFly: cross-entropy of supervised block rows, row k (1-based, `rows` `[M]`) weighted
+    `exp(-(k - 1) / gamma)`: the first drafted token matters most, since a miss ends the accepted run."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be positive, got {gamma}")
+    return weighted_cross_entropy(logits, labels, torch.exp(-(rows.float() - 1) / gamma), num_items)
+
+
+def mtp_unrolled_loss(logits, labels, steps: torch.LongTensor, step_weights, num_items) -> torch.Tensor:
+    """MTP: cross-entropy of supervised predictions, step j (0-based, `steps` `[M]`) weighted `step_weights[j]`;
+    steps after the first were computed from the drafter's own earlier outputs (unrolled, as in drafting)."""
+    weights = torch.as_tensor(step_weights, dtype=torch.float32, device=logits.device)[steps]
+    return weighted_cross_entropy(logits, labels, weights, num_items)
+
+
+def _as_count(num_items, like: torch.Tensor) -> torch.Tensor:
+    if num_items is None:
+        raise ValueError("num_items (supervised tokens in the optimisation step) is required")
+    return torch.as_tensor(num_items, dtype=torch.float32, device=like.device).clamp_min(1.0)
