@@ -123,8 +123,14 @@ def main(argv=None) -> int:
     reg.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     reg.add_argument("--seed", type=int, default=0)
     reg.set_defaults(func=cmd_regenerate)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    train = sub.add_parser("train", help="train a drafter (all TrainingArguments flags; see --help)", add_help=False)
+    train.set_defaults(func=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train":
+        from angelspec_hf.trainer.run import main as train_main
+
+        return train_main(rest)
+    return args.func(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

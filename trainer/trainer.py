@@ -9,6 +9,7 @@ from transformers import Trainer
 
 from .features import target_features
 from .losses import block_diffusion_loss, mtp_unrolled_loss, sample_anchors
+from .model_card import write_model_card
 
 
 def _gather_rows(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
@@ -68,6 +69,13 @@ class DrafterTrainer(Trainer):
         if hasattr(self._drafter, "bind_embeddings"):
             self._drafter.bind_embeddings(self.target.get_input_embeddings())
         self._drafter.check_target(self.target)
+        self.base_model_id = getattr(self.target.config, "_name_or_path", None) or "unknown"
+        self.acceptance, self.training_summary = {}, {}
+
+    def create_model_card(self, **kwargs):
+        """The card `push_to_hub` uploads: base model, data, block size and the measured τ per eval set."""
+        write_model_card(self.args.output_dir, self._drafter, self.base_model_id, self.args.train_sets,
+                         self.acceptance, self.training_summary)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if num_items_in_batch is None:  # evaluation: normalise by this batch's own supervised tokens

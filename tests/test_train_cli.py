@@ -1,0 +1,135 @@
+"""`angelspec train` end to end: a killed run resumes from its last checkpoint, LoRA adapters (PEFT), the files a
+Hub push uploads, two processes (torchrun) match one process, and a short real run on the embedded target."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import angelspec_hf
+from angelspec_hf.targets import GGUF_FILE, default_target_path
+from angelspec_hf.trainer.data import load_train_prompts
+from angelspec_hf.trainer.regenerate import regenerate
+from angelspec_hf.trainer.run import main as train_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny target saved as a normal HF folder (with the real tokenizer) and its regenerated responses."""
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight[3:6] *= 8
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    regenerate(target, tokenizer, load_train_prompts("gsm8k")[:16], root / "data" / "gsm8k.jsonl", batch_size=8,
+               max_new_tokens=24, max_prompt_tokens=200, progress=False)
+    return root
+
+
+def cli_args(tiny, out, *extra):
+    return ["--target", str(tiny / "target"), "--regenerated_dir", str(tiny / "data"), "--train_sets", "gsm8k",
+            "--output_dir", str(out), "--drafter_type", "dfly", "--block_size", "4", "--num_anchors", "4",
+            "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "1",
+            "--report_to", "none", "--use_cpu", "true", "--seed", "0", "--max_seq_length", "192", *extra]
+
+
+def logged_losses(folder):
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
+def test_killed_run_resumes_from_last_checkpoint(tiny, tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train_main(cli_args(tiny, full, "--max_steps", "8", "--save_steps", "4"))
+    cmd = [sys.executable, "-m", "angelspec_hf.trainer.run", *cli_args(tiny, killed, "--max_steps", "8",
+                                                                           "--save_steps", "4")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (killed / "checkpoint-4" / "trainer_state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoint-8").exists()
+    train_main(cli_args(tiny, killed, "--max_steps", "8", "--save_steps", "4", "--resume", "true"))
+    reference, resumed = logged_losses(full), logged_losses(killed)
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-4)
+
+
+def test_output_is_what_a_push_uploads(tiny, tmp_path):
+    out = tmp_path / "run"
+    train_main(cli_args(tiny, out, "--max_steps", "2", "--save_strategy", "no", "--eval_prompts", "1",
+                        "--eval_max_new_tokens", "8"))
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "README.md", "modeling_dfly.py", "configuration_dfly.py"} <= files
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: ") and "openai/gsm8k" in card
+    assert "| humaneval |" in card and "| gsm8k |" in card and "block size 4" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_dfly.DFlyDrafter" and config["block_size"] == 4
+    drafter = angelspec_hf.load_drafter(out)
+    assert type(drafter).__name__ == "DFlyDrafter" and not drafter.ar_head.down_proj.weight.eq(0).all()
+
+
+def test_lora_adapter_trains_saves_and_loads(tiny, tmp_path):
+    from peft import PeftModel
+
+    base = tmp_path / "base"
+    train_main(cli_args(tiny, base, "--max_steps", "2", "--save_strategy", "no"))
+    adapter = tmp_path / "adapter"
+    train_main(cli_args(tiny, adapter, "--max_steps", "3", "--save_strategy", "no", "--init_drafter", str(base),
+                        "--lora_r", "4"))
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    tuned = PeftModel.from_pretrained(angelspec_hf.load_drafter(base), adapter).merge_and_unload()
+    original = angelspec_hf.load_drafter(base)
+    changed = [n for n, p in tuned.state_dict().items() if not torch.equal(p, original.state_dict()[n])]
+    assert changed and all("proj" in n for n in changed)  # only LoRA-targeted projections moved
+
+
+def test_two_processes_match_one(tiny, tmp_path):
+    """torchrun with 2 gloo processes and a split global batch gives the 1-process loss trajectory."""
+    common = ["--max_steps", "4", "--save_strategy", "no", "--accelerator_config", '{"split_batches": true}']
+    one = tmp_path / "one"
+    subprocess.run([sys.executable, "-m", "angelspec_hf.trainer.run", *cli_args(tiny, one, *common)], check=True,
+                   capture_output=True, timeout=900)
+    two = tmp_path / "two"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         "-m", "angelspec_hf.trainer.run", *cli_args(tiny, two, *common)],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = logged_losses(one), logged_losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4)
+
+
+@pytest.mark.real_model
+def test_short_real_run_on_embedded_target(tmp_path):
+    out = tmp_path / "real"
+    data = os.path.join(REPO, "data", "regenerated", "smollm2-135m-instruct")
+    train_main(["--regenerated_dir", data, "--train_sets", "gsm8k", "--output_dir", str(out), "--drafter_type",
+                "dfly", "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "256",
+                "--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--logging_steps", "1"])
+    drafter = angelspec_hf.load_drafter(out)
+    target, tokenizer = angelspec_hf.load_default_target()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 * 7?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, **kw), target.generate(ids, assistant_model=drafter, **kw))

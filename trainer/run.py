@@ -1,0 +1,109 @@
+"""`angelspec train`: the training entry point (flags or a YAML/JSON file, parsed by `HfArgumentParser`).
+
+    angelspec train --drafter_type dfly --output_dir runs/dfly --max_steps 2000 --per_device_train_batch_size 8
+    angelspec train recipe.yaml
+    torchrun --nproc_per_node 2 -m angelspec_hf.trainer.run ...        # several processes (DDP via accelerate)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import HfArgumentParser, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from .arguments import DrafterTrainingArguments
+
+EMBEDDED_TARGET_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ModelArguments:
+    target: str | None = field(default=None, metadata={"help": "Target HF id or folder (default: embedded SmolLM2)."})
+    init_drafter: str | None = field(
+        default=None, metadata={"help": "Start from this drafter (folder or Hub id) instead of a fresh one."}
+    )
+    lora_r: int = field(default=0, metadata={"help": "> 0: train a LoRA adapter of this rank (PEFT) instead."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
+
+
+def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target):
+    import angelspec_hf
+    from angelspec_hf.modeling import DRAFTERS
+
+    if margs.init_drafter:
+        drafter = angelspec_hf.load_drafter(margs.init_drafter)
+    else:
+        overrides = {}
+        if args.target_layer_ids is not None:
+            overrides["target_layer_ids"] = args.target_layer_ids
+        if args.num_drafter_layers is not None:
+            overrides["num_hidden_layers"] = args.num_drafter_layers
+        if args.drafter_type == "mtp":
+            overrides["num_draft_tokens"] = args.mtp_num_steps
+        else:
+            overrides["block_size"] = args.block_size
+        drafter = DRAFTERS[args.drafter_type][1].from_target(target, **overrides)
+    if margs.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        drafter = get_peft_model(drafter, LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, target_modules=modules))
+    return drafter
+
+
+def train(margs: ModelArguments, args: DrafterTrainingArguments):
+    import angelspec_hf
+
+    from .dataset import DrafterCollator, load_regenerated
+    from .evaluation import AcceptanceEvalCallback
+    from .features import cache_features
+    from .trainer import DrafterTrainer
+
+    start = time.time()
+    target, tokenizer = angelspec_hf.load_target(margs.target)
+    set_seed(args.seed)  # a fresh drafter's initial weights are part of the run's reproducibility
+    drafter = build_drafter(margs, args, target)
+    dataset = load_regenerated(tokenizer, args.regenerated_dir, args.train_sets, args.max_seq_length,
+                               args.max_train_samples, args.seed)
+    if args.feature_mode == "cached":
+        dataset = cache_features(target, dataset, drafter.config.target_layer_ids, args.feature_cache_dir)
+    trainer = DrafterTrainer(drafter, args, target, train_dataset=dataset,
+                             data_collator=DrafterCollator(tokenizer.pad_token_id))
+    trainer.base_model_id = margs.target or EMBEDDED_TARGET_ID
+    callback = None
+    if args.eval_prompts:
+        callback = AcceptanceEvalCallback(trainer, tokenizer, args.eval_prompts, args.eval_max_new_tokens)
+        trainer.add_callback(callback)
+    resume = get_last_checkpoint(args.output_dir) if margs.resume and Path(args.output_dir).is_dir() else None
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.acceptance = {k.split("/", 1)[1]: v for k, v in (callback.last if callback else {}).items()}
+    trainer.training_summary = {
+        "steps": trainer.state.global_step, "final loss": f"{result.training_loss:.4f}",
+        "wall time (s)": f"{time.time() - start:.0f}", "sequences": len(dataset), "drafter": args.drafter_type,
+    }
+    trainer.save_model(args.output_dir)  # every process calls it (sharded setups need that); rank 0 writes
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        trainer.create_model_card()
+    return trainer
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser((ModelArguments, DrafterTrainingArguments))
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
+        parse = parser.parse_yaml_file if argv[0].endswith(("yaml", "yml")) else parser.parse_json_file
+        margs, args = parse(str(Path(argv[0]).resolve()))
+    else:
+        margs, args = parser.parse_args_into_dataclasses(argv)
+    train(margs, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
