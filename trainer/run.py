@@ -79,7 +79,9 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     if args.eval_prompts:
         callback = AcceptanceEvalCallback(trainer, tokenizer, args.eval_prompts, args.eval_max_new_tokens)
         trainer.add_callback(callback)
-    resume = get_last_checkpoint(args.output_dir) if margs.resume and Path(args.output_dir).is_dir() else None
+    resume = args.resume_from_checkpoint
+    if margs.resume and Path(args.output_dir).is_dir():
+        resume = get_last_checkpoint(args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.acceptance = {k.split("/", 1)[1]: v for k, v in (callback.last if callback else {}).items()}
     trainer.training_summary = {
