@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from .configuration_drafter import evenly_spaced_layer_ids
 from .dflash.configuration_dflash import DFlashConfig
@@ -155,3 +155,27 @@ def load_foreign_checkpoint(cls, path_or_repo, **kwargs):
             model.set_attn_implementation(kwargs["attn_implementation"])
         return model.to(dtype).eval()
     return None
+
+
+def export_zlab_dflash(drafter: DFlashDrafter, folder) -> Path:
+    """Write a DFlash drafter in z-lab's Hub layout (the format vLLM and SGLang serve): `config.json` with
+    `architectures: ["DFlashDraftModel"]`, `model_type: qwen3`, top-level `block_size` and a nested `dflash_config`,
+    plus `model.safetensors` under the same weight names. It loads back through `load_foreign_checkpoint`."""
+    if type(drafter) is not DFlashDrafter:
+        raise ValueError(f"only DFlashDrafter has a z-lab layout, not {type(drafter).__name__}")
+    c = drafter.config
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {k: getattr(c, k) for k in _QWEN3_FIELDS}
+    config |= {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": c.block_size,
+        "num_target_layers": c.num_target_layers,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+        "rope_theta": c.rope_parameters["rope_theta"], "layer_types": list(c.layer_types),
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+        "dtype": str(drafter.dtype).removeprefix("torch."),
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return folder

@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 import angelspec_hf
 from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
+from angelspec_hf.modeling import export_zlab_dflash
 from conftest import tiny_drafter
 from test_drafters import _same_drafts
 
@@ -106,3 +107,16 @@ def test_pruned_vocabulary_is_refused(tmp_path, target):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pruned draft vocabulary"):
         DFlyDrafter.from_pretrained(tmp_path)
+
+
+def test_export_to_zlab_layout_loads_back(tmp_path, target):
+    drafter = tiny_drafter("dflash", target, target_layer_ids=[0, 2, 3])
+    export_zlab_dflash(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": drafter.config.mask_token_id, "target_layer_ids": [0, 2, 3]}
+    assert config["block_size"] == drafter.config.block_size and "auto_map" not in config
+    loaded = DFlashDrafter.from_pretrained(tmp_path)
+    assert _same_drafts(drafter, loaded, target)
+    with pytest.raises(ValueError, match="only DFlashDrafter"):
+        export_zlab_dflash(tiny_drafter("dfly", target), tmp_path / "x")
