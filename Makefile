@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test
 
 $(STAMP): pyproject.toml Makefile
+	@# mpirun: `accelerate launch` starts several CPU processes through it (a multi-process training test uses it)
+	command -v mpirun >/dev/null || { apt-get update -qq && apt-get install -y -qq openmpi-bin; } \
+		|| { echo "need Debian's openmpi-bin (mpirun): run as root or install it"; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; any other torch request pulls a CUDA build

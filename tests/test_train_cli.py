@@ -101,19 +101,37 @@ def test_lora_adapter_trains_saves_and_loads(tiny, tmp_path):
     assert changed and all("proj" in n for n in changed)  # only LoRA-targeted projections moved
 
 
-def test_two_processes_match_one(tiny, tmp_path):
-    """torchrun with 2 gloo processes and a split global batch gives the 1-process loss trajectory."""
+ACCELERATE_CPU_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_CPU
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: true
+mpirun_config:
+  mpirun_hostfile: {hostfile}
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_two_processes_match_one(tiny, tmp_path, launcher):
+    """2 processes (gloo) with a split global batch give the 1-process loss trajectory. On CPU, `accelerate launch`
+    starts its processes through mpirun (Debian openmpi-bin, installed by `make test`)."""
     common = ["--max_steps", "4", "--save_strategy", "no", "--accelerator_config", '{"split_batches": true}']
-    one = tmp_path / "one"
+    one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run([sys.executable, "-m", "angelspec_hf.trainer.run", *cli_args(tiny, one, *common)], check=True,
                    capture_output=True, timeout=900)
-    two = tmp_path / "two"
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-         "-m", "angelspec_hf.trainer.run", *cli_args(tiny, two, *common)],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    else:
+        (tmp_path / "hostfile").write_text("localhost slots=2\n")
+        (tmp_path / "accelerate.yaml").write_text(ACCELERATE_CPU_CONFIG.format(hostfile=tmp_path / "hostfile"))
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml")]
+    run = subprocess.run([*launch, "-m", "angelspec_hf.trainer.run", *cli_args(tiny, two, *common)],
+                         capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "- processes: 2" in (two / "README.md").read_text()
     a, b = logged_losses(one), logged_losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in a:

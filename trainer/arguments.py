@@ -75,4 +75,6 @@ class DrafterTrainingArguments(TrainingArguments):
         if unknown:
             raise ValueError(f"unknown train_sets {sorted(unknown)}; choose from {sorted(TRAIN_SETS)}")
         self.remove_unused_columns = False  # the collator's columns are all used by compute_loss
+        if self.ddp_find_unused_parameters is None:
+            self.ddp_find_unused_parameters = False  # every drafter parameter takes part in every loss
         super().__post_init__()

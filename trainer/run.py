@@ -87,6 +87,7 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     trainer.training_summary = {
         "steps": trainer.state.global_step, "final loss": f"{result.training_loss:.4f}",
         "wall time (s)": f"{time.time() - start:.0f}", "sequences": len(dataset), "drafter": args.drafter_type,
+        "processes": trainer.accelerator.num_processes,
     }
     trainer.save_model(args.output_dir)  # every process calls it (sharded setups need that); rank 0 writes
     trainer.save_state()
