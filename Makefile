@@ -1,4 +1,5 @@
-# Set-up is part of both targets: a fresh machine needs only python3 (3.10+) and the package registries.
+# Set-up is part of both targets: a fresh machine needs python3 (3.10+), the package registries, and root once
+# for Debian's openmpi-bin when mpirun is missing.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
