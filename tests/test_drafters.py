@@ -162,6 +162,14 @@ REMOTE_CODE_CHECK = textwrap.dedent(
     model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     total = sum(p.double().sum().item() for p in model.parameters())
+    # the copied code also carries the generate() routing: speculative greedy == plain greedy here too
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)).eval()
+    ids = torch.tensor([[5, 17, 33, 8]])
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(target.generate(ids, **kw), target.generate(ids, assistant_model=model.eval(), **kw))
     print(type(model).__name__, repr(total))
     """
 )
