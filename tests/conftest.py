@@ -29,6 +29,23 @@ def tiny_target(vocab_size=99, seed=0, attn_implementation="eager", skew=6.0):
     return target
 
 
+def tiny_chat_target(seed=0):
+    """A tiny random Llama with the embedded target's real tokenizer (vocabulary 49,152 and chat template), for
+    training tests; a few favoured tokens make its replies learnable in a few dozen steps."""
+    from transformers import AutoTokenizer
+
+    from angelspec_hf.targets import GGUF_FILE, default_target_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight[3:6] *= 8
+    return target, tokenizer
+
+
 def tiny_drafter(family, target, seed=1, **overrides):
     cls, defaults = FAMILIES[family]
     torch.manual_seed(seed)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModel, LlamaConfig
 import angelspec_hf
 from angelspec_hf import DFlashConfig, DFlyConfig, DFlyDrafter, MTPConfig
 from angelspec_hf.modeling.configuration_drafter import evenly_spaced_layer_ids
-from conftest import FAMILIES, tiny_drafter, tiny_target
+from conftest import FAMILIES, tiny_drafter
 
 
 def greedy_select(logits, prefix):

@@ -7,7 +7,7 @@ import torch
 from transformers import TextStreamer
 from transformers.generation import GenerationMixin
 
-from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
+from angelspec_hf import DFlashDrafter
 from conftest import tiny_drafter, tiny_target
 
 

@@ -3,12 +3,10 @@
 import json
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from angelspec_hf.targets import GGUF_FILE, default_target_path
 from angelspec_hf.trainer.data import TRAIN_SETS, load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
+from conftest import tiny_chat_target
 
 
 @pytest.mark.parametrize("name", sorted(TRAIN_SETS))
@@ -21,11 +19,7 @@ def test_train_sets_load_with_stable_ids(name):
 
 
 def test_regeneration_resumes(tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
-    target = LlamaForCausalLM(config).eval()
+    target, tokenizer = tiny_chat_target()
     records = load_train_prompts("gsm8k")[:5]
     out = tmp_path / "gsm8k.jsonl"
     first = regenerate(target, tokenizer, records[:3], out, batch_size=2, max_new_tokens=6, progress=False)

@@ -10,13 +10,12 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import angelspec_hf
-from angelspec_hf.targets import GGUF_FILE, default_target_path
 from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.run import main as train_main
+from conftest import tiny_chat_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,13 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def tiny(tmp_path_factory):
     """A tiny target saved as a normal HF folder (with the real tokenizer) and its regenerated responses."""
     root = tmp_path_factory.mktemp("tiny")
-    tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
-    target = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        target.lm_head.weight[3:6] *= 8
+    target, tokenizer = tiny_chat_target()
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     regenerate(target, tokenizer, load_train_prompts("gsm8k")[:16], root / "data" / "gsm8k.jsonl", batch_size=8,

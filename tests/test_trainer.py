@@ -3,16 +3,16 @@ drafting computes, the loss goes down, resume continues identically, and batch x
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 
 from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
-from angelspec_hf.targets import GGUF_FILE, default_target_path
 from angelspec_hf.trainer.arguments import DrafterTrainingArguments
 from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.dataset import DrafterCollator, load_regenerated
 from angelspec_hf.trainer.features import target_features
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.trainer import DrafterTrainer, pack_blocks
+from conftest import tiny_chat_target
 
 CLASSES = {"mtp": (MTPDrafter, {"num_draft_tokens": 3}), "dflash": (DFlashDrafter, {"block_size": 4}),
            "dfly": (DFlyDrafter, {"block_size": 4})}
@@ -21,13 +21,7 @@ CLASSES = {"mtp": (MTPDrafter, {"num_draft_tokens": 3}), "dflash": (DFlashDrafte
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("regenerated")
-    tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
-    target = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # a few favoured tokens: the target's replies become learnable in a few dozen steps
-        target.lm_head.weight[3:6] *= 8
+    target, tokenizer = tiny_chat_target()
     for name in ("gsm8k", "code_alpaca", "sharegpt"):
         regenerate(target, tokenizer, load_train_prompts(name)[:8], folder / f"{name}.jsonl", batch_size=8,
                    max_new_tokens=24, max_prompt_tokens=200, progress=False)
