@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     reg.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     reg.add_argument("--seed", type=int, default=0)
     reg.set_defaults(func=cmd_regenerate)
+    from angelspec_hf.bench import add_bench_parser
+
+    add_bench_parser(sub)
     train = sub.add_parser("train", help="train a drafter (all TrainingArguments flags; see --help)", add_help=False)
     train.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)

@@ -1,0 +1,233 @@
+"""`angelspec bench`: speculative methods side by side on the same prompts, interleaved in one run.
+
+For every prompt (chat template applied) and temperature, each method generates in turn: plain AR `generate`,
+transformers' prompt lookup, transformers' built-in DFlash path with our DFlash drafter, and our `generate()` hook
+with the MTP, DFlash and DFly drafters. τ is counted the same way for every method: tokens gained per target forward
+after the prefill (a forward hook counts the target's forwards; AR gives exactly 1). Greedy outputs must equal AR's token for token; a
+mismatch is reported and makes the command exit non-zero. Writes `results.json`, `results.md` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
+
+METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly")
+DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly"}
+
+
+class ForwardCounter:
+    """Counts the target's forward passes (one per AR step or per verification)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+    def close(self):
+        self._handle.remove()
+
+
+def method_kwargs(method: str, drafters: dict) -> dict:
+    if method == "ar":
+        return {}
+    if method == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": 10}
+    kwargs = {"assistant_model": drafters[DRAFTER_OF[method]]}
+    if method == "dflash_builtin":
+        kwargs["speculation_type"] = "dflash"
+    return kwargs
+
+
+def load_prompt_sets(sets, per_set: int, prompts_file: str | None) -> dict[str, list[str]]:
+    if prompts_file:
+        with open(prompts_file, encoding="utf-8") as f:
+            return {Path(prompts_file).stem: [json.loads(line)["prompt"] for line in f if line.strip()][:per_set]}
+    return {name: load_eval_prompts(name, per_set) for name in sets}
+
+
+def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, temperatures=(0.0,),
+              max_new_tokens: int = 128, seed: int = 0) -> list[dict]:
+    """One record per (set, prompt, temperature, method): new tokens, seconds, target forwards, τ, identical."""
+    records = []
+    counter = ForwardCounter(target)
+    try:
+        warm = chat_input_ids(tokenizer, "Hi")
+        for method in methods:  # warm every path once, so no method is timed cold
+            target.generate(warm, max_new_tokens=4, do_sample=False, **method_kwargs(method, drafters))
+        for set_name, prompts in prompt_sets.items():
+            for index, prompt in enumerate(prompts):
+                ids = chat_input_ids(tokenizer, prompt).to(target.device)
+                for temperature in temperatures:
+                    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+                        else dict(do_sample=False)
+                    reference = None
+                    for method in methods:
+                        torch.manual_seed(seed + index)
+                        counter.count = 0
+                        start = time.perf_counter()
+                        out = target.generate(ids, max_new_tokens=max_new_tokens, **sampling,
+                                              **method_kwargs(method, drafters))
+                        seconds = time.perf_counter() - start
+                        new = out.shape[1] - ids.shape[1]
+                        if method == "ar":
+                            reference = out
+                        stats = getattr(drafters.get(DRAFTER_OF.get(method, "")), "last_speculation_stats", None)
+                        records.append({
+                            "set": set_name, "prompt": index, "temperature": temperature, "method": method,
+                            "new_tokens": new, "seconds": seconds, "target_forwards": counter.count,
+                            # the prefill yields one token; every later forward yields accepted + 1
+                            "tau": (new - 1) / (counter.count - 1) if counter.count > 1 else 1.0,
+                            "identical": bool(torch.equal(out, reference)) if temperature == 0 else None,
+                            "accepted_per_round": list(stats.accepted) if stats and method in ("mtp", "dflash", "dfly")
+                            else None,
+                        })
+    finally:
+        counter.close()
+    return records
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """Per (set, temperature, method): τ, tokens/s and speed-up over AR from totals of the same prompts."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["set"], r["temperature"], r["method"])].append(r)
+    rows = []
+    for (set_name, temperature, method), rs in groups.items():
+        ar = groups[(set_name, temperature, "ar")]
+        tps = sum(r["new_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+        ar_tps = sum(r["new_tokens"] for r in ar) / sum(r["seconds"] for r in ar)
+        rows.append({
+            "set": set_name, "temperature": temperature, "method": method, "prompts": len(rs),
+            "tau": sum(r["new_tokens"] - 1 for r in rs) / max(sum(r["target_forwards"] - 1 for r in rs), 1),
+            "tokens_per_s": tps, "speedup": tps / ar_tps,
+            "median_speedup": statistics.median(
+                (r["new_tokens"] / r["seconds"]) / (a["new_tokens"] / a["seconds"]) for r, a in zip(rs, ar)),
+            "identical": None if temperature else all(r["identical"] for r in rs),
+        })
+    return rows
+
+
+def acceptance_by_position(records: list[dict]) -> dict[str, list[float]]:
+    """Per drafter method: P(draft position k accepted) over all rounds (k = 1, 2, ...)."""
+    curves = {}
+    for method in ("mtp", "dflash", "dfly"):
+        rounds = [a for r in records if r["method"] == method and r["accepted_per_round"] for a in r["accepted_per_round"]]
+        if rounds:
+            depth = max(max(rounds), 1)
+            curves[method] = [sum(a >= k for a in rounds) / len(rounds) for k in range(1, depth + 1)]
+    return curves
+
+
+def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
+    lines = [f"# angelspec bench\n\n{meta['setting']}\n",
+             "| set | T | method | prompts | τ | tok/s | speed-up (total) | speed-up (median) | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["set"], r["temperature"], METHODS.index(r["method"]))):
+        same = "—" if r["identical"] is None else ("yes" if r["identical"] else "**NO**")
+        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} | {r['prompts']} | {r['tau']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['median_speedup']:.2f}x | {same} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for temperature in sorted({r["temperature"] for r in rows}):
+        sub = [r for r in rows if r["temperature"] == temperature]
+        sets = sorted({r["set"] for r in sub})
+        methods = [m for m in METHODS if any(r["method"] == m for r in sub)]
+        fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(sets), 3.6))
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            values = [next((r["speedup"] for r in sub if r["set"] == s and r["method"] == m), 0) for s in sets]
+            ax.bar([x + i * width for x in range(len(sets))], values, width, label=m)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sets))], sets)
+        ax.set_ylabel("speed-up over AR")
+        ax.set_title(f"T={temperature:g}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths[f"speedup_T{temperature:g}"] = out / f"speedup_T{temperature:g}.png"
+        fig.savefig(paths[f"speedup_T{temperature:g}"], dpi=120)
+        plt.close(fig)
+    curves = acceptance_by_position(records)
+    if curves:
+        fig, ax = plt.subplots(figsize=(4.5, 3.4))
+        for method, curve in curves.items():
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=method)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("P(accepted)")
+        ax.set_ylim(0, 1)
+        ax.legend()
+        fig.tight_layout()
+        paths["acceptance"] = out / "acceptance_by_position.png"
+        fig.savefig(paths["acceptance"], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def bench_main(args) -> int:
+    import angelspec_hf
+    from angelspec_hf.modeling import DRAFTERS
+
+    torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    unknown = set(methods) - set(METHODS)
+    if unknown or "ar" not in methods:
+        raise SystemExit(f"--methods must include 'ar' and come from {METHODS}; got {sorted(unknown)}")
+    target, tokenizer = angelspec_hf.load_target(args.target)
+    given = dict(item.split("=", 1) for item in args.drafters.split(",") if item) if args.drafters else {}
+    drafters, untrained = {}, []
+    for family in sorted({DRAFTER_OF[m] for m in methods if m in DRAFTER_OF}):
+        if family in given:
+            drafters[family] = angelspec_hf.load_drafter(given[family])
+        else:
+            torch.manual_seed(0)
+            drafters[family] = DRAFTERS[family][1].from_target(target).eval()
+            untrained.append(family)
+    prompt_sets = load_prompt_sets(args.sets.split(","), args.prompts_per_set, args.prompts)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    setting = (f"target {args.target or angelspec_hf.targets.DEFAULT_TARGET}; {args.max_new_tokens} new tokens; "
+               f"{args.prompts_per_set} prompts per set; temperatures {temperatures}; "
+               + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given[f]} (draft {d.num_draft_tokens})"
+                           for f, d in drafters.items())
+               + f"; {platform.machine()} CPU, {args.threads} threads")
+    records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens)
+    rows = summarise(records)
+    paths = write_outputs(records, rows, args.out, {"setting": setting, "untrained": untrained})
+    print(Path(paths["markdown"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    mismatches = [r for r in rows if r["identical"] is False]
+    for r in mismatches:
+        print(f"FAILURE: {r['method']} greedy output differs from AR on {r['set']}")
+    return 1 if mismatches else 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="methods side by side: τ, tokens/s, speed-up, greedy identity")
+    bench.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
+    bench.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
+    bench.add_argument("--drafters", default="", help="family=folder/id pairs, e.g. dfly=runs/dfly,mtp=runs/mtp")
+    bench.add_argument("--sets", default=",".join(EVAL_SETS))
+    bench.add_argument("--prompts", default=None, help="your own jsonl with a 'prompt' field (replaces --sets)")
+    bench.add_argument("--prompts-per-set", type=int, default=4)
+    bench.add_argument("--temperatures", default="0,1")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--threads", type=int, default=2)
+    bench.add_argument("--out", default="outputs/bench")
+    bench.set_defaults(func=bench_main)
