@@ -77,21 +77,43 @@ def test_output_is_what_a_push_uploads(tiny, tmp_path):
     assert config["auto_map"]["AutoModel"] == "modeling_dfly.DFlyDrafter" and config["block_size"] == 4
     drafter = angelspec_hf.load_drafter(out)
     assert type(drafter).__name__ == "DFlyDrafter" and not drafter.ar_head.down_proj.weight.eq(0).all()
+    # ...and, once pushed, it resolves by Hub id from the local cache with the Hub unreachable
+    snapshot = tmp_path / "hub" / "models--me--tiny-dfly" / "snapshots" / ("b" * 40)
+    snapshot.mkdir(parents=True)
+    for name in files:
+        if (out / name).is_file():
+            (snapshot / name).write_bytes((out / name).read_bytes())
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("b" * 40)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        from transformers import AutoModel
+
+        by_id = AutoModel.from_pretrained("me/tiny-dfly", cache_dir=tmp_path / "hub")
+    finally:
+        os.environ.pop("HF_HUB_OFFLINE")
+    assert all(torch.equal(a, b) for a, b in zip(by_id.state_dict().values(), drafter.state_dict().values()))
 
 
-def test_lora_adapter_trains_saves_and_loads(tiny, tmp_path):
-    from peft import PeftModel
-
-    base = tmp_path / "base"
-    train_main(cli_args(tiny, base, "--max_steps", "2", "--save_strategy", "no"))
-    adapter = tmp_path / "adapter"
-    train_main(cli_args(tiny, adapter, "--max_steps", "3", "--save_strategy", "no", "--init_drafter", str(base),
-                        "--lora_r", "4"))
-    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
-    tuned = PeftModel.from_pretrained(angelspec_hf.load_drafter(base), adapter).merge_and_unload()
-    original = angelspec_hf.load_drafter(base)
-    changed = [n for n, p in tuned.state_dict().items() if not torch.equal(p, original.state_dict()[n])]
-    assert changed and all("proj" in n for n in changed)  # only LoRA-targeted projections moved
+def test_yaml_recipe(tiny, tmp_path):
+    recipe = f"""
+target: {tiny / "target"}
+regenerated_dir: {tiny / "data"}
+train_sets: [gsm8k]
+output_dir: {tmp_path / "run"}
+drafter_type: mtp
+mtp_num_steps: 2
+max_steps: 1
+per_device_train_batch_size: 2
+max_seq_length: 128
+report_to: none
+use_cpu: true
+save_strategy: "no"
+"""
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    train_main([str(tmp_path / "recipe.yaml")])
+    assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 1
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["num_draft_tokens"] == 2
 
 
 ACCELERATE_CPU_CONFIG = """compute_environment: LOCAL_MACHINE
