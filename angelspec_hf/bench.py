@@ -2,7 +2,7 @@
 
 For every prompt (chat template applied) and temperature, each method generates in turn: plain AR `generate`,
 transformers' prompt lookup, transformers' built-in DFlash path with our DFlash drafter, and our `generate()` hook
-with the MTP, DFlash and DFly drafters. τ is counted the same way for every method: tokens gained per target forward
+with the MTP, DFlash and DFly drafters, and the router (each request to MTP or DFly, see `angelspec_hf.router`). τ is counted the same way for every method: tokens gained per target forward
 after the prefill (a forward hook counts the target's forwards; AR gives exactly 1). Greedy outputs must equal AR's token for token; a
 mismatch is reported and makes the command exit non-zero. Writes `results.json`, `results.md` and PNG plots.
 """
@@ -20,8 +20,8 @@ import torch
 
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
-METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly")
-DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly"}
+METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly", "router")
+DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly", "router": "router"}
 
 
 class ForwardCounter:
@@ -89,8 +89,8 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                             # the prefill yields one token; every later forward yields accepted + 1
                             "tau": (new - 1) / (counter.count - 1) if counter.count > 1 else 1.0,
                             "identical": bool(torch.equal(out, reference)) if temperature == 0 else None,
-                            "accepted_per_round": list(stats.accepted) if stats and method in ("mtp", "dflash", "dfly")
-                            else None,
+                            "accepted_per_round": list(stats.accepted)
+                            if stats and method in ("mtp", "dflash", "dfly", "router") else None,
                         })
     finally:
         counter.close()
@@ -121,7 +121,7 @@ def summarise(records: list[dict]) -> list[dict]:
 def acceptance_by_position(records: list[dict]) -> dict[str, list[float]]:
     """Per drafter method: P(draft position k accepted) over all rounds (k = 1, 2, ...)."""
     curves = {}
-    for method in ("mtp", "dflash", "dfly"):
+    for method in ("mtp", "dflash", "dfly", "router"):
         rounds = [a for r in records if r["method"] == method and r["accepted_per_round"] for a in r["accepted_per_round"]]
         if rounds:
             depth = max(max(rounds), 1)
@@ -193,19 +193,24 @@ def bench_main(args) -> int:
     target, tokenizer = angelspec_hf.load_target(args.target)
     given = dict(item.split("=", 1) for item in args.drafters.split(",") if item) if args.drafters else {}
     drafters, untrained = {}, []
-    for family in sorted({DRAFTER_OF[m] for m in methods if m in DRAFTER_OF}):
+    needed = {DRAFTER_OF[m] for m in methods if m in DRAFTER_OF} | ({"mtp", "dfly"} if "router" in methods else set())
+    for family in sorted(needed - {"router"}):
         if family in given:
             drafters[family] = angelspec_hf.load_drafter(given[family])
         else:
             torch.manual_seed(0)
             drafters[family] = DRAFTERS[family][1].from_target(target).eval()
             untrained.append(family)
+    if "router" in methods:
+        from angelspec_hf.router import DrafterRouter
+
+        drafters["router"] = DrafterRouter({"mtp": drafters["mtp"], "dfly": drafters["dfly"]}, tokenizer)
     prompt_sets = load_prompt_sets(args.sets.split(","), args.prompts_per_set, args.prompts)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     setting = (f"target {args.target or angelspec_hf.targets.DEFAULT_TARGET}; {args.max_new_tokens} new tokens; "
                f"{args.prompts_per_set} prompts per set; temperatures {temperatures}; "
                + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given[f]} (draft {d.num_draft_tokens})"
-                           for f, d in drafters.items())
+                           for f, d in drafters.items() if f != "router")
                + f"; {platform.machine()} CPU, {args.threads} threads")
     records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens)
     rows = summarise(records)

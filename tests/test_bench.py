@@ -21,7 +21,7 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert code == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["method"], r["temperature"]): r for r in result["summary"]}
-    assert {m for m, _ in rows} == {"ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly"}
+    assert {m for m, _ in rows} == {"ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly", "router"}
     assert rows[("ar", 0.0)]["tau"] == 1.0 and rows[("ar", 0.0)]["speedup"] == 1.0
     assert all(r["identical"] for (m, t), r in rows.items() if t == 0.0)
     assert result["meta"]["untrained"] == ["dflash", "dfly", "mtp"]
