@@ -84,10 +84,15 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
         resume = get_last_checkpoint(args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.acceptance = {k.split("/", 1)[1]: v for k, v in (callback.last if callback else {}).items()}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trainer.training_summary = {
-        "steps": trainer.state.global_step, "final loss": f"{result.training_loss:.4f}",
-        "wall time (s)": f"{time.time() - start:.0f}", "sequences": len(dataset), "drafter": args.drafter_type,
-        "processes": trainer.accelerator.num_processes,
+        "drafter": args.drafter_type, "steps": trainer.state.global_step,
+        "epochs": f"{trainer.state.epoch:.2f}", "sequences": len(dataset),
+        "tokens per epoch": sum(len(ids) for ids in dataset["input_ids"]),
+        "supervised tokens per epoch": sum(sum(s) for s in dataset["supervised"]),
+        "mean training loss": f"{result.training_loss:.4f}",
+        "last logged loss": f"{losses[-1]:.4f}" if losses else "n/a",
+        "wall time (s)": f"{time.time() - start:.0f}", "processes": trainer.accelerator.num_processes,
     }
     trainer.save_model(args.output_dir)  # every process calls it (sharded setups need that); rank 0 writes
     trainer.save_state()
