@@ -46,21 +46,26 @@ def logged_losses(folder):
 
 def test_killed_run_resumes_from_last_checkpoint(tiny, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    train_main(cli_args(tiny, full, "--max_steps", "8", "--save_steps", "4"))
-    cmd = [sys.executable, "-m", "angelspec_hf.trainer.run", *cli_args(tiny, killed, "--max_steps", "8",
-                                                                           "--save_steps", "4")]
+    steps = ["--max_steps", "60", "--save_steps", "4", "--logging_steps", "1"]
+    train_main(cli_args(tiny, full, *steps))
+    cmd = [sys.executable, "-m", "angelspec_hf.trainer.run", *cli_args(tiny, killed, *steps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
-    while not (killed / "checkpoint-4" / "trainer_state.json").exists():
+    while not list(killed.glob("checkpoint-*/trainer_state.json")):
         assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
-        time.sleep(0.2)
-    time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, right after its first checkpoint
     proc.wait()
-    assert not (killed / "checkpoint-8").exists()
-    train_main(cli_args(tiny, killed, "--max_steps", "8", "--save_steps", "4", "--resume", "true"))
+    assert not (killed / "trainer_state.json").exists(), "the run finished before it could be killed"
+    done = max(int(p.parent.name.split("-")[1]) for p in killed.glob("checkpoint-*/trainer_state.json"))
+    assert done < 60
+    # a kill while saving leaves a newer, incomplete checkpoint folder: resume must skip it
+    (killed / f"checkpoint-{done + 4}").mkdir(exist_ok=True)
+    (killed / f"checkpoint-{done + 4}" / "config.json").write_text("{}")
+    train_main(cli_args(tiny, killed, *steps, "--resume", "true"))
     reference, resumed = logged_losses(full), logged_losses(killed)
-    for step in range(5, 9):
+    assert sorted(resumed) == list(range(1, 61))
+    for step in range(done + 1, 61):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4)
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import HfArgumentParser, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from .arguments import DrafterTrainingArguments
 
@@ -29,6 +28,13 @@ class ModelArguments:
     lora_r: int = field(default=0, metadata={"help": "> 0: train a LoRA adapter of this rank (PEFT) instead."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
+
+
+def last_complete_checkpoint(output_dir) -> str | None:
+    """The newest `checkpoint-N` that was fully written. The Trainer writes `trainer_state.json` last, and a run killed
+    while saving leaves a newer folder without it, which `transformers.trainer_utils.get_last_checkpoint` would pick."""
+    done = [p.parent for p in Path(output_dir).glob("checkpoint-*/trainer_state.json")]
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
 def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target):
@@ -81,7 +87,7 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
         trainer.add_callback(callback)
     resume = args.resume_from_checkpoint
     if margs.resume and Path(args.output_dir).is_dir():
-        resume = get_last_checkpoint(args.output_dir)
+        resume = last_complete_checkpoint(args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.acceptance = {k.split("/", 1)[1]: v for k, v in (callback.last if callback else {}).items()}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
