@@ -43,11 +43,6 @@ class SpeculationStats:
         """τ: tokens gained per target forward, the bonus/correction token included."""
         return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else float("nan")
 
-    @property
-    def acceptance_rate(self) -> float:
-        total = sum(self.proposed)
-        return sum(self.accepted) / total if total else float("nan")
-
 
 class AngelSpecCandidateGenerator(CandidateGenerator):
     """Feeds the target's hidden states to an AngelSpec drafter and returns its draft (and draft logits).
