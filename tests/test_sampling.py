@@ -13,13 +13,17 @@ VOCAB, DRAWS = 7, 2400
 PROMPT = torch.tensor([[3, 5, 4]])
 
 
-def exact_distribution(target, steps):
-    """Exact probability of every continuation of `steps` tokens (temperature 1, no truncation)."""
+def exact_distribution(target, steps, temperature=1.0, top_k=None):
+    """Exact probability of every continuation of `steps` tokens, after temperature and top-k (as `generate` does)."""
     probs = {}
     for seq in itertools.product(range(VOCAB), repeat=steps):
         ids = torch.cat([PROMPT, torch.tensor([seq])], dim=1)
         with torch.no_grad():
-            logp = torch.log_softmax(target(ids).logits[0, PROMPT.shape[1] - 1 : -1].double(), dim=-1)
+            logits = target(ids).logits[0, PROMPT.shape[1] - 1 : -1].double() / temperature
+            if top_k is not None:
+                kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            logp = torch.log_softmax(logits, dim=-1)
         probs[seq] = float(torch.exp(sum(logp[i, t] for i, t in enumerate(seq))))
     return probs
 
@@ -56,6 +60,22 @@ def test_speculative_sampling_matches_target_distribution(sampling_target, famil
         accepted += sum(drafter.last_speculation_stats.accepted)
     # The drafts were really tested: some accepted, some rejected.
     assert 0 < accepted < proposed
+    assert goodness_of_fit(samples, exact) > 1e-3
+
+
+def test_speculative_sampling_with_temperature_and_top_k(sampling_target):
+    """With logits processors (temperature 0.7, top-k 4) the output is still exactly the processed target's."""
+    target = sampling_target
+    drafter = tiny_drafter("dfly", target, mask_token_id=6)
+    exact = exact_distribution(target, 2, temperature=0.7, top_k=4)
+    assert sum(p == 0 for p in exact.values()) > 0  # truncation really removes continuations
+    torch.manual_seed(7)
+    samples = []
+    for _ in range(DRAWS):
+        out = target.generate(PROMPT, do_sample=True, max_new_tokens=2, top_k=4, top_p=1.0, temperature=0.7,
+                              eos_token_id=None, pad_token_id=0, assistant_model=drafter)
+        samples.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
+    assert all(exact[s] > 0 for s in samples)
     assert goodness_of_fit(samples, exact) > 1e-3
 
 
