@@ -24,6 +24,8 @@ def test_regeneration_resumes(tmp_path):
     out = tmp_path / "gsm8k.jsonl"
     first = regenerate(target, tokenizer, records[:3], out, batch_size=2, max_new_tokens=6, progress=False)
     assert first == {"written": 3, "skipped_long": 0, "done": 3}
+    with open(out, "a") as f:  # a kill in the middle of writing the next line
+        f.write('{"id": "' + records[3]["id"] + '", "prom')
     second = regenerate(target, tokenizer, records, out, batch_size=2, max_new_tokens=6, progress=False)
     assert second == {"written": 2, "skipped_long": 0, "done": 5}
     lines = [json.loads(line) for line in out.read_text().splitlines()]

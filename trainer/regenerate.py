@@ -14,10 +14,23 @@ import torch
 
 
 def done_ids(path: Path) -> set[str]:
+    """Ids already written. A run killed in the middle of a write leaves a partial last line: it is cut off."""
     if not path.exists():
         return set()
-    with open(path, encoding="utf-8") as f:
-        return {json.loads(line)["id"] for line in f if line.strip()}
+    ids, good_bytes = set(), 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):  # the write of this line did not finish
+                break
+            try:
+                ids.add(json.loads(raw)["id"])
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError):
+                break
+            good_bytes += len(raw)
+    if good_bytes < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    return ids
 
 
 def regenerate(
