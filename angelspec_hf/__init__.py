@@ -36,3 +36,13 @@ __all__ = [
     "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DrafterPreTrainedModel", "MTPConfig",
     "MTPDrafter", "SpeculationStats", "load_default_target", "load_drafter", "load_target",
 ]
+
+
+def generate_batch(target, drafter, prompts, **kwargs):
+    """Batched speculative generation (continuous batching + D-Cut): see `angelspec_hf.tgi_patch.engine`."""
+    from angelspec_hf.tgi_patch.engine import generate_batch as _generate_batch
+
+    return _generate_batch(target, drafter, prompts, **kwargs)
+
+
+__all__ += ["generate_batch"]

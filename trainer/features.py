@@ -18,8 +18,20 @@ def target_features(target, input_ids, attention_mask, layer_ids) -> torch.Tenso
 
 def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8):
     """Add an fp16 `features` column (one `[T, H * len(layer_ids)]` array per example) and save to `folder`; returns
-    the dataset re-opened from disk (memory-mapped)."""
+    the dataset re-opened from disk (memory-mapped). A folder already holding the features of the same examples and
+    layers (e.g. written by the DFlash run for the DFly run on identical data) is reused, not recomputed."""
+    import json
+    from pathlib import Path
+
     from datasets import load_from_disk
+
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps([list(ids) for ids in dataset["input_ids"]]).encode()).hexdigest()
+    key = {"layer_ids": list(layer_ids), "input_ids_sha256": digest, "num_rows": len(dataset)}
+    stamp = Path(folder) / "angelspec_features.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == key:
+        return load_from_disk(str(folder))
 
     from .dataset import DrafterCollator
 
@@ -32,4 +44,5 @@ def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8):
         return {"features": [f[: len(e["input_ids"])].numpy() for f, e in zip(feats, examples)]}
 
     dataset.map(add_features, batched=True, batch_size=batch_size).save_to_disk(str(folder))
+    stamp.write_text(json.dumps(key))
     return load_from_disk(str(folder))

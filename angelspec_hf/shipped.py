@@ -1,0 +1,29 @@
+"""The drafters shipped with the project for the embedded SmolLM2-135M-Instruct target (`drafters/`, Hub layout:
+fp16 safetensors, config, modeling code, model card), and `python -m angelspec_hf.ship RUN DEST`, which writes a
+training run's final weights into that layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafters"
+SHIPPED_PREFIX = "smollm2-135m-instruct-"
+
+
+def shipped_drafter_path(family: str) -> Path | None:
+    """Folder of the shipped drafter of `family` ("mtp", "dflash", "dfly"), or None when it is not there."""
+    path = SHIPPED_DIR / f"{SHIPPED_PREFIX}{family}"
+    return path if (path / "config.json").is_file() else None
+
+
+def shipped_or_untrained(family: str, target, dtype=None):
+    """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype, or a fresh untrained one."""
+    import angelspec_hf
+    from angelspec_hf.modeling import DRAFTERS
+
+    path = shipped_drafter_path(family)
+    if path is None:
+        return DRAFTERS[family][1].from_target(target).eval(), False
+    drafter = angelspec_hf.load_drafter(str(path)).to(dtype or target.dtype).eval()
+    drafter.check_target(target)
+    return drafter, True

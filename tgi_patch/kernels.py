@@ -1,0 +1,36 @@
+"""Dispatch for the engine's hot steps: Triton kernels on CUDA (`triton_kernels.py`), the torch reference
+(`reference.py`) everywhere else. Same signatures, same outputs."""
+
+from __future__ import annotations
+
+import os
+
+from . import reference
+
+
+def _use_triton(tensor) -> bool:
+    if os.environ.get("ANGELSPEC_DISABLE_TRITON") == "1":
+        return False
+    if not (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("ANGELSPEC_FORCE_TRITON")):
+        return False
+    try:
+        from . import triton_kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dcut_select(accept_prob, num_drafted, budget, step_cost=None, base_gain: float = 0.0):
+    if _use_triton(accept_prob):
+        from .triton_kernels import dcut_select as impl
+    else:
+        impl = reference.dcut_select
+    return impl(accept_prob, num_drafted, budget, step_cost, base_gain)
+
+
+def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
+    if _use_triton(scores):
+        from .triton_kernels import verify as impl
+    else:
+        impl = reference.verify
+    return impl(scores, draft, draft_probs, depth, greedy, u_accept, u_sample)

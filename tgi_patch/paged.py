@@ -1,0 +1,207 @@
+"""Ragged batches over a paged KV store.
+
+`PagedKVPool` keeps the keys/values of many sequences in fixed-size pages of one preallocated tensor per model (grown
+by doubling), so memory grows with the tokens held, not with batch × longest sequence. A sequence owns a row of the
+page table; rejected draft tokens are dropped by lowering its length (their slots are overwritten later).
+
+Two ways a model reads it:
+* the target runs **packed** — the new tokens of all sequences in one row `[1, T]`, so every linear layer costs the
+  tokens actually verified — through the `angelspec_ragged` attention function registered below (it writes the new
+  keys/values into the pool, gathers each sequence's keys, attends, and packs the result back);
+* drafters run **padded** `[B, n_max]` through `PoolCache`, a cache object with the `update()` contract transformers'
+  attention layers call, plus an explicit 4-D mask (drafter batches are small: one block per sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+RAGGED_ATTENTION = "angelspec_ragged"
+
+
+class PagedKVPool:
+    """Keys and values of up to `max_seqs` sequences for `num_layers` layers, in pages of `page_size` tokens.
+
+    Page 0 is never handed out: padding positions read and write its slot 0, and every mask hides them.
+    """
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_seqs, page_size=16, num_pages=64):
+        self.page_size = page_size
+        self.k = torch.zeros(num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.free_pages = list(range(num_pages - 1, 0, -1))
+        self.page_table = torch.zeros(max_seqs, 4, dtype=torch.long, device=device)
+        self.num_pages = [0] * max_seqs  # pages owned per sequence slot
+        self.lengths = torch.zeros(max_seqs, dtype=torch.long, device=device)  # valid tokens per slot
+
+    @property
+    def tokens_allocated(self) -> int:
+        return sum(self.num_pages) * self.page_size
+
+    def _grow(self, min_free: int) -> None:
+        old = self.k.shape[1] // self.page_size
+        new = max(2 * old, old + min_free)
+        pad = (self.k.shape[0], (new - old) * self.page_size, *self.k.shape[2:])
+        self.k = torch.cat([self.k, self.k.new_zeros(pad)], dim=1)
+        self.v = torch.cat([self.v, self.v.new_zeros(pad)], dim=1)
+        self.free_pages = list(range(new - 1, old - 1, -1)) + self.free_pages
+
+    def reserve(self, slots: torch.Tensor, total_lengths: torch.Tensor) -> None:
+        """Make sure each slot owns pages for `total_lengths` tokens (only the few slots crossing a page boundary
+        this step are touched)."""
+        need = ((total_lengths + self.page_size - 1) // self.page_size).tolist()
+        short = [(s, n) for s, n in zip(slots.tolist(), need) if n > self.num_pages[s]]
+        if not short:
+            return
+        missing = sum(n - self.num_pages[s] for s, n in short)
+        if missing > len(self.free_pages):
+            self._grow(missing - len(self.free_pages))
+        widest = max(n for _, n in short)
+        if widest > self.page_table.shape[1]:
+            extra = max(widest, 2 * self.page_table.shape[1]) - self.page_table.shape[1]
+            self.page_table = torch.cat([self.page_table, self.page_table.new_zeros(len(self.num_pages), extra)], 1)
+        for s, n in short:
+            pages = [self.free_pages.pop() for _ in range(n - self.num_pages[s])]
+            self.page_table[s, self.num_pages[s] : n] = torch.tensor(pages, device=self.page_table.device)
+            self.num_pages[s] = n
+
+    def release(self, slot: int) -> None:
+        self.free_pages.extend(self.page_table[slot, : self.num_pages[slot]].tolist())
+        self.page_table[slot] = 0
+        self.num_pages[slot] = 0
+        self.lengths[slot] = 0
+
+    def slot_index(self, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Flat pool indices of `positions` (any shape, first dim = sequences) of `slots`; invalid → dummy slot 0."""
+        table = self.page_table[slots]
+        shape = positions.shape
+        pos = positions.reshape(shape[0], -1).clamp(min=0)
+        pages = table.gather(1, (pos // self.page_size).clamp(max=table.shape[1] - 1))
+        index = (pages * self.page_size + pos % self.page_size).reshape(shape)
+        return torch.where(valid, index, torch.zeros_like(index))
+
+
+@dataclass
+class RaggedStep:
+    """Index tensors shared by every layer of one forward over `slots`: each holds `held` tokens and adds `new`."""
+
+    pool: PagedKVPool
+    slots: torch.Tensor  # [B]
+    held: torch.Tensor  # [B] tokens already in the pool
+    new: torch.Tensor  # [B] tokens this forward adds
+    write_index: torch.Tensor  # packed: [T]; padded: [B, n_max]
+    gather_index: torch.Tensor  # [B, kv_max]
+    key_valid: torch.Tensor  # [B, kv_max]
+    # packed mode only: where each packed token sits in the padded query layout
+    token_row: torch.Tensor | None = None  # [T]
+    token_col: torch.Tensor | None = None  # [T]
+
+    @classmethod
+    def build(cls, pool: PagedKVPool, slots, new, packed: bool) -> RaggedStep:
+        held = pool.lengths[slots]
+        total = held + new
+        pool.reserve(slots, total)
+        kv_max = int(total.max()) if len(slots) else 0
+        key_pos = torch.arange(kv_max, device=slots.device).expand(len(slots), -1)
+        key_valid = key_pos < total[:, None]
+        gather_index = pool.slot_index(slots, key_pos, key_valid)
+        n_max = int(new.max()) if len(slots) else 0
+        cols = torch.arange(n_max, device=slots.device).expand(len(slots), -1)
+        new_valid = cols < new[:, None]
+        write_pad = pool.slot_index(slots, held[:, None] + cols, new_valid)
+        step = cls(pool, slots, held, new, write_pad, gather_index, key_valid)
+        if packed:
+            step.token_row, step.token_col = new_valid.nonzero(as_tuple=True)  # row-major = packed order
+            step.write_index = write_pad[step.token_row, step.token_col]
+        return step
+
+    def query_positions(self) -> torch.Tensor:
+        """`[B, n_max]` absolute positions of the new tokens (padding rows repeat valid ones harmlessly)."""
+        n_max = int(self.new.max()) if len(self.slots) else 0
+        return self.held[:, None] + torch.arange(n_max, device=self.slots.device)[None, :]
+
+    def causal_mask(self, dtype) -> torch.Tensor:
+        """Additive `[B, 1, n_max, kv_max]`: a new token sees valid keys up to its own position."""
+        allowed = self.key_valid[:, None, :] & (
+            torch.arange(self.key_valid.shape[1], device=self.slots.device)[None, None, :]
+            <= self.query_positions()[:, :, None]
+        )
+        return _additive(allowed[:, None], dtype)
+
+    def commit(self) -> None:
+        self.pool.lengths[self.slots] = self.held + self.new
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values `[B, Hkv, kv_max, D]` of every held + new token of each sequence."""
+        k = self.pool.k[layer][self.gather_index].transpose(1, 2)
+        v = self.pool.v[layer][self.gather_index].transpose(1, 2)
+        return k, v
+
+
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for a packed ragged batch (`ragged=RaggedStep` in the model's kwargs); plain SDPA otherwise.
+
+    query `[1, H, T, D]` and key/value `[1, Hkv, T, D]` hold the new tokens of all sequences back to back.
+    """
+    step: RaggedStep | None = kwargs.pop("ragged", None)
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    pool = step.pool
+    pool.k[layer][step.write_index] = key[0].transpose(0, 1).to(pool.k.dtype)
+    pool.v[layer][step.write_index] = value[0].transpose(0, 1).to(pool.v.dtype)
+    keys, values = step.gather(layer)
+    batch, n_max = len(step.slots), int(step.new.max())
+    q = query.new_zeros(batch, query.shape[1], n_max, query.shape[3])
+    q[step.token_row, :, step.token_col] = query[0].transpose(0, 1)
+    mask = step.causal_mask(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scaling,
+        enable_gqa=keys.shape[1] != q.shape[1],
+    )  # [B, H, n_max, D]
+    return out[step.token_row, :, step.token_col][None], None  # [1, T, H, D]
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+
+
+class PoolCache:
+    """The `cache` a drafter's attention layers call: `update()` writes the first `n_max` new keys/values of each
+    sequence (the valid ones, `RaggedStep.new`) into the pool and returns `[held + new ; transient]`, where the
+    trailing `transient` entries (a DFlash block) are attended to but never stored."""
+
+    def __init__(self, step: RaggedStep, transient: int = 0):
+        self.step = step
+        self.transient = transient
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        step, pool = self.step, self.step.pool
+        stored = key.shape[2] - self.transient
+        flat = step.write_index.reshape(-1)
+        pool.k[layer_idx][flat] = key[:, :, :stored].transpose(1, 2).reshape(len(flat), *key.shape[1:2], key.shape[3])
+        pool.v[layer_idx][flat] = value[:, :, :stored].transpose(1, 2).reshape(len(flat), *value.shape[1:2],
+                                                                               value.shape[3])
+        keys, values = step.gather(layer_idx)
+        if self.transient:
+            keys = torch.cat([keys, key[:, :, stored:].to(keys.dtype)], dim=2)
+            values = torch.cat([values, value[:, :, stored:].to(values.dtype)], dim=2)
+        return keys.to(key.dtype), values.to(value.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def block_mask(self, block: int, dtype) -> torch.Tensor:
+        """Additive `[B, 1, block, kv_max + block]` for a non-causal block after each sequence's context."""
+        allowed = torch.cat([self.step.key_valid, self.step.key_valid.new_ones(len(self.step.slots), block)], 1)
+        return _additive(allowed[:, None, None, :].expand(-1, 1, block, -1), dtype)

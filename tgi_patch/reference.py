@@ -1,0 +1,78 @@
+"""Torch reference implementations of the two hot steps of a batched speculative step. `kernels.py` has Triton
+versions with the same signatures and outputs, dispatched on CUDA; these run everywhere else and define the results
+the kernels are tested against."""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample_from
+
+
+def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain: float = 0.0):
+    """D-Cut: choose which draft tokens of a ragged batch to verify.
+
+    accept_prob `[B, K]`: calibrated probability that draft token j is accepted given tokens < j were;
+    num_drafted `[B]`: valid draft tokens per request (the rest of each row is ignored);
+    budget: at most this many draft tokens in total;
+    step_cost `[B * K + 1]` (optional): predicted cost of a step that verifies M draft tokens; with it the number of
+    tokens M is chosen to maximise `(base_gain + expected accepted tokens) / step_cost[M]` (M = 0 included: plain
+    decoding), without it M = min(budget, valid tokens).
+
+    A token's survival is the product of acceptance probabilities up to it; the M tokens with the highest survival
+    are verified. Survival never grows along a row, so each request verifies a prefix of its block: its depth.
+    Returns `depth [B]` (int64), `survival [B, K]` (float32) and `M` (int64 scalar tensor).
+    """
+    batch, k = accept_prob.shape
+    valid = torch.arange(k, device=accept_prob.device)[None, :] < num_drafted[:, None]
+    survival = torch.where(valid, torch.cumprod(accept_prob.float(), dim=1), torch.zeros((), device=valid.device))
+    order = torch.sort(torch.where(valid, survival, -1.0).reshape(-1), descending=True, stable=True).indices
+    limit = min(int(budget), int(valid.sum()))
+    if step_cost is not None:
+        gains = torch.cat([survival.new_zeros(1), survival.reshape(-1)[order].cumsum(0)])[: limit + 1] + base_gain
+        chosen = torch.argmax(gains / step_cost[: limit + 1].float())
+    else:
+        chosen = torch.tensor(limit, device=accept_prob.device)
+    selected = torch.zeros(batch * k, dtype=torch.bool, device=accept_prob.device)
+    selected[order[:chosen]] = True
+    depth = selected.reshape(batch, k).sum(1)
+    return depth, survival, chosen.long()
+
+
+def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
+    """Verify each request's first `depth` draft tokens against the target, in one call for the ragged batch.
+
+    scores `[B, K + 1, V]`: row j scores the token after draft j - 1 (row 0 after the anchor): raw target logits for
+    greedy requests, processed target probabilities for sampled ones; draft `[B, K]`; draft_probs `[B, K, V]` (the
+    drafter's processed probabilities; only read for sampled requests, may be None when all are greedy);
+    depth `[B]`; greedy `[B]` bool; u_accept `[B, K]`, u_sample `[B, K + 1]`: uniforms in [0, 1).
+
+    Greedy: accept while the draft equals the target's argmax; the next token is the target's argmax after the last
+    accepted one. Sampling (Leviathan et al.): accept draft j when `u * q(d) < p(d)`; at the first rejection sample
+    from `norm(max(p - q, 0))`, and after a fully accepted prefix sample the bonus token from `p`.
+    Returns `num_accepted [B]` and `next_token [B]` (int64).
+    """
+    batch, k = draft.shape
+    ar = torch.arange(k, device=draft.device)[None, :]
+    in_depth = ar < depth[:, None]
+    target_top = scores.argmax(-1)  # [B, K + 1]
+    match = draft == target_top[:, :k]
+    if draft_probs is not None and not bool(greedy.all()):
+        p_d = scores[:, :k].gather(-1, draft[..., None]).squeeze(-1).float()
+        q_d = draft_probs.gather(-1, draft[..., None]).squeeze(-1).float()
+        match = torch.where(greedy[:, None], match, u_accept.float() * q_d < p_d)
+    num_accepted = torch.cumprod((match & in_depth).long(), dim=1).sum(1)
+    next_token = target_top.gather(1, num_accepted[:, None]).squeeze(1)
+    if not bool(greedy.all()):
+        rows = torch.arange(batch, device=draft.device)
+        p = scores[rows, num_accepted].float()  # [B, V]
+        rejected = num_accepted < depth
+        if draft_probs is not None and k > 0:
+            q = draft_probs[rows, num_accepted.clamp(max=k - 1)].float()
+            residual = (p - q).clamp(min=0)
+            use_residual = rejected & (residual.sum(-1) > 0)
+            p = torch.where(use_residual[:, None], residual, p)
+        sampled = sample_from(p, u_sample.gather(1, num_accepted[:, None]).squeeze(1))
+        next_token = torch.where(greedy, next_token, sampled)
+    return num_accepted, next_token
+

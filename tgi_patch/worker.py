@@ -1,0 +1,295 @@
+"""The bridge between asyncio request handlers and the synchronous batched engine.
+
+`SpeculativeEngine` is not thread-safe, so one background thread owns it: it admits requests from a thread-safe
+inbox, loops `engine.step()` while there is work, and hands every `TokenEvent` to the asyncio queue of the request it
+belongs to (`loop.call_soon_threadsafe`). Handlers never touch the engine; they `submit`, read their queue, and
+`cancel`. The engine knows nothing of tokens as text: detokenisation, stop strings and protocols live in `server.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+class ServingError(Exception):
+    """An error with TGI's `error_type` and HTTP status: 422 validation, 424 generation, 429 overloaded,
+    500 incomplete_generation (the request ended without a final token, e.g. cancelled at shutdown)."""
+
+    status = 500
+    error_type = "incomplete_generation"
+
+
+class ValidationError(ServingError):
+    status, error_type = 422, "validation"
+
+    def __init__(self, message: str):
+        super().__init__(message if message.startswith("Input validation error") else
+                         f"Input validation error: {message}")
+
+
+class GenerationError(ServingError):
+    status, error_type = 424, "generation"
+
+
+class OverloadedError(ServingError):
+    status, error_type = 429, "overloaded"
+
+
+class IncompleteGenerationError(ServingError):
+    pass
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One request as the handler sees it: its asyncio queue receives `TokenEvent`s or a `ServingError`."""
+
+    input_ids: list[int]
+    params: object
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    engine_id: int | None = None
+    done: bool = False  # set by the handler when it has read its final event (or gave up)
+
+    async def get(self):
+        return await self.queue.get()
+
+
+_ADMITTED = object()  # first item on an admitted request's queue
+
+
+class EngineWorker:
+    """Owns `engine` on a background thread. `metrics` (optional) gets `observe_step(engine, events, seconds)`."""
+
+    def __init__(self, engine, *, max_concurrent_requests: int = 128, metrics=None, idle_poll_s: float = 0.05):
+        self.engine = engine
+        self.max_concurrent_requests = max_concurrent_requests
+        self.metrics = metrics
+        self.idle_poll_s = idle_poll_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[int, RequestHandle] = {}  # engine id -> handle; worker thread only
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="angelspec-engine", daemon=True)
+        self.failure: BaseException | None = None  # an error that killed the worker loop itself
+
+    # ---- handler side (event loop thread) ----
+    def start(self) -> "EngineWorker":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queue_size(self) -> int:
+        """Requests submitted and not yet running (approximate: read across threads)."""
+        return self._inbox.qsize() + getattr(self.engine, "num_waiting", 0)
+
+    async def submit(self, input_ids: list[int], params) -> RequestHandle:
+        """Queues a request and waits until the engine accepted it; raises `OverloadedError` past
+        `max_concurrent_requests`, `ValidationError` when the engine refuses the parameters."""
+        with self._lock:
+            if not self._accepting:
+                raise OverloadedError("the server is shutting down")
+            if self._in_flight >= self.max_concurrent_requests:
+                raise OverloadedError("Model is overloaded")
+            self._in_flight += 1
+            handle = RequestHandle(list(input_ids), params, asyncio.get_running_loop())
+            self._inbox.put(("add", handle))  # under the lock: the loop's exit drains what got in before it
+        try:
+            first = await handle.get()
+        except BaseException:
+            self.release(handle)
+            raise
+        if first is not _ADMITTED:
+            self.release(handle)
+            raise first
+        return handle
+
+    def release(self, handle: RequestHandle) -> None:
+        """The handler is done with `handle`: cancels it in the engine if it is still running, frees its slot."""
+        if handle.done:
+            return
+        handle.done = True
+        self._inbox.put(("cancel", handle))
+        with self._lock:
+            self._in_flight -= 1
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops accepting, cancels what is still running, joins the thread."""
+        with self._lock:
+            self._accepting = False
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---- worker thread ----
+    def _deliver(self, handle: RequestHandle, item) -> None:
+        try:
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+        except RuntimeError:  # the handler's loop is closed: nobody is listening any more
+            pass
+
+    def _handle_message(self, kind: str, handle: RequestHandle | None) -> None:
+        if kind == "stop":
+            self._stop.set()
+        elif kind == "add":
+            if handle.done:
+                return
+            try:
+                handle.engine_id = self.engine.add_request(handle.input_ids, handle.params)
+            except ValueError as exc:
+                self._deliver(handle, ValidationError(str(exc)))
+                return
+            except Exception as exc:  # noqa: BLE001 - reported to the client as a generation error
+                logger.exception("engine.add_request failed")
+                self._deliver(handle, GenerationError(f"Request failed during generation: {exc}"))
+                return
+            self._active[handle.engine_id] = handle
+            self._deliver(handle, _ADMITTED)
+        elif kind == "cancel" and self._active.get(handle.engine_id) is handle:
+            # A cancelled *waiting* request is dropped without an event, so forget it now; a late "cancelled"
+            # event for this id is then ignored.
+            del self._active[handle.engine_id]
+            self.engine.cancel(handle.engine_id)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle_message(*message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            events = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the requests of this step fail, the server keeps serving
+            logger.exception("engine.step failed")
+            self._fail_active(GenerationError(f"Request failed during generation: {exc}"))
+            return
+        if self.metrics is not None:
+            self.metrics.observe_step(self.engine, events, time.perf_counter() - start)
+        for event in events:
+            handle = self._active.get(event.request_id)
+            if handle is None:
+                continue
+            if event.finished:
+                del self._active[event.request_id]
+            self._deliver(handle, event)
+
+    def _fail_active(self, error: ServingError) -> None:
+        failed, self._active = self._active, {}
+        for engine_id, handle in failed.items():
+            self._deliver(handle, error)
+            try:
+                self.engine.cancel(engine_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("engine.cancel failed after a failed step")
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self.engine.has_work())
+                if not self._stop.is_set() and self.engine.has_work():
+                    self._step()
+            # shutdown: everything still running ends as incomplete; let the engine flush its cancellations
+            self._fail_active(IncompleteGenerationError("the server shut down before the request finished"))
+            for _ in itertools.repeat(None, 1000):
+                if not self.engine.has_work():
+                    break
+                self.engine.step()
+        except BaseException as exc:  # noqa: BLE001 - keep the error for /health, fail whoever waits
+            self.failure = exc
+            logger.exception("the engine worker stopped")
+            self._fail_active(GenerationError(f"the engine worker stopped: {exc}"))
+            self._stop.set()
+        with self._lock:
+            self._accepting = False
+        self._reject_pending()
+
+    def _reject_pending(self) -> None:
+        """Requests that reached the inbox after the loop ended get an answer instead of waiting forever."""
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._deliver(handle, OverloadedError("the server is shutting down"))
+
+
+class ServingMetrics:
+    """The Prometheus metrics of one app, in its own `CollectorRegistry` (so several apps in one process, as in the
+    tests, do not collide). HTTP metrics are recorded by the server, step metrics by the worker thread."""
+
+    def __init__(self, worker_gauges=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("angelspec_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.request_duration = Histogram(
+            "angelspec_request_duration_seconds", "time from request to the last byte of the response", ["route"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        self.queue_size = Gauge("angelspec_queue_size", "requests submitted and not yet running", registry=r)
+        self.running = Gauge("angelspec_running_requests", "requests in the running batch", registry=r)
+        self.batch_size = Histogram("angelspec_batch_size", "requests advanced per engine step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.step_duration = Histogram("angelspec_step_duration_seconds", "one engine step (draft + verify)",
+                                       buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.accepted_length = Histogram(
+            "angelspec_accepted_length", "tokens a request gained in one step (bonus token included)",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+        self.verify_budget = Histogram("angelspec_verify_budget", "draft tokens verified in one step (D-Cut budget)",
+                                       buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.pruned_tokens = Histogram("angelspec_pruned_draft_tokens", "draft tokens pruned (not verified) per step",
+                                       buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.cost_model_choice = Counter("angelspec_cost_model_choice", "steps by the cost model's choice",
+                                         ["choice"], registry=r)
+        self.generated_tokens = Counter("angelspec_generated_tokens", "tokens streamed, by who proposed them",
+                                        ["source"], registry=r)
+
+    def bind(self, worker: EngineWorker) -> None:
+        """Gauges read at scrape time."""
+        self.queue_size.set_function(lambda: worker.queue_size)
+        self.running.set_function(lambda: getattr(worker.engine, "num_running", 0))
+
+    def observe_step(self, engine, events, seconds: float) -> None:
+        self.step_duration.observe(seconds)
+        advanced = [e for e in events if e.token_ids]
+        if advanced:
+            self.batch_size.observe(len(advanced))
+        for event in advanced:
+            self.accepted_length.observe(len(event.token_ids))
+            drafted = sum(event.from_draft)
+            self.generated_tokens.labels("draft").inc(drafted)
+            self.generated_tokens.labels("target").inc(len(event.token_ids) - drafted)
+        trace = getattr(engine, "last_step", None)
+        if trace is None:
+            return
+        if getattr(trace, "budget", None) is not None:
+            self.verify_budget.observe(trace.budget)
+        if getattr(trace, "pruned_tokens", None) is not None:
+            self.pruned_tokens.observe(trace.pruned_tokens)
+        if getattr(trace, "choice", None):
+            self.cost_model_choice.labels(str(trace.choice)).inc()
