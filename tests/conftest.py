@@ -1,8 +1,16 @@
 """Tiny odd-sized random targets and drafters of every family, for fast equivalence tests."""
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import os
+import shutil
+
+# Triton kernels run under Triton's interpreter where there is no GPU. It must be set before anything imports triton
+# (transformers may), since triton's own library functions (tl.sort, ...) are defined at its import.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import angelspec_hf  # noqa: F401  (registers the Auto classes)
 from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter

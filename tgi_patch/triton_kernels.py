@@ -1,0 +1,174 @@
+"""Triton kernels for the engine's two hot steps; `reference.py` holds the torch versions (same signatures and
+outputs) that run on CPU and define what these compute. Dispatch is in `kernels.py`.
+
+* `dcut_select`: one program for the whole ragged batch — survival products along each block, a global sort of
+  (survival, position) keys, expected-gain prefix sums, the budget that maximises gain per unit of predicted cost, and
+  each request's depth.
+* `verify`: one program per request — greedy acceptance against the target's argmax, or exact rejection sampling,
+  then the correction / bonus token by inverse-CDF sampling over the vocabulary in blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dcut_select_kernel(accept_ptr, drafted_ptr, cost_ptr, survival_ptr, depth_ptr, chosen_ptr, batch, budget,
+                        base_gain, K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_COST: tl.constexpr):
+    rows = tl.arange(0, BLOCK_B)
+    row_ok = rows < batch
+    drafted = tl.load(drafted_ptr + rows, mask=row_ok, other=0)
+    running = tl.full([BLOCK_B], 1.0, tl.float32)
+    for j in tl.static_range(K):  # survival: the running product along each block
+        a = tl.load(accept_ptr + rows * K + j, mask=row_ok, other=0.0).to(tl.float32)
+        running = running * a
+        tl.store(survival_ptr + rows * K + j, tl.where(j < drafted, running, 0.0), mask=row_ok)
+    tl.debug_barrier()
+
+    n = batch * K
+    idx = tl.arange(0, BLOCK_N)
+    in_range = idx < n
+    valid = in_range & ((idx % K) < tl.load(drafted_ptr + idx // K, mask=in_range, other=0))
+    s = tl.load(survival_ptr + idx, mask=in_range, other=0.0)
+    # keys: survival bits (monotone for s >= 0) then lower positions first; invalid entries sort last
+    key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_N - idx).to(tl.int64)
+    key = tl.where(valid, key, -1)
+    ordered = tl.sort(key, descending=True)
+    num_valid = tl.sum(valid.to(tl.int32), axis=0)
+    limit = tl.minimum(budget, num_valid)
+    if HAS_COST:
+        values = tl.where(ordered >= 0, (ordered >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        gains = base_gain + tl.cumsum(values, axis=0)  # gain of verifying the top idx + 1 tokens
+        cost = tl.load(cost_ptr + idx + 1, mask=idx < limit, other=1.0)
+        objective = tl.where(idx < limit, gains / cost, -float("inf"))
+        best = tl.max(objective, axis=0)
+        best_m = tl.argmax(objective, axis=0) + 1
+        plain = base_gain / tl.load(cost_ptr)
+        chosen = tl.where(plain >= best, 0, best_m)
+    else:
+        chosen = limit
+    threshold = tl.sum(tl.where(idx == chosen - 1, ordered, 0), axis=0)
+    threshold = tl.where(chosen > 0, threshold, 1 << 62)  # nothing selected
+    depth = tl.zeros([BLOCK_B], tl.int64)
+    for j in tl.static_range(K):
+        s_j = tl.load(survival_ptr + rows * K + j, mask=row_ok, other=0.0)
+        key_j = (s_j.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_N - (rows * K + j)).to(tl.int64)
+        depth += ((j < drafted) & (key_j >= threshold)).to(tl.int64)
+    tl.store(depth_ptr + rows, depth, mask=row_ok)
+    tl.store(chosen_ptr, chosen.to(tl.int64))
+
+
+def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain: float = 0.0):
+    batch, k = accept_prob.shape
+    survival = torch.empty(batch, k, dtype=torch.float32, device=accept_prob.device)
+    depth = torch.empty(batch, dtype=torch.int64, device=accept_prob.device)
+    chosen = torch.empty((), dtype=torch.int64, device=accept_prob.device)
+    if batch == 0 or k == 0:
+        return depth.zero_(), survival, chosen.zero_()
+    cost = step_cost.float().contiguous() if step_cost is not None else survival
+    _dcut_select_kernel[(1,)](
+        accept_prob.float().contiguous(), num_drafted.contiguous(), cost, survival, depth, chosen, batch,
+        int(budget), float(base_gain), K=k, BLOCK_B=triton.next_power_of_2(batch),
+        BLOCK_N=triton.next_power_of_2(batch * k), HAS_COST=step_cost is not None,
+    )
+    return depth, survival, chosen
+
+
+@triton.jit
+def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
+    best = -float("inf")
+    best_i = 0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        i = start + tl.argmax(x, axis=0)
+        take = m > best  # strict: the first maximum wins, as torch.argmax
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, m, best)
+    return best_i
+
+
+@triton.jit
+def _sample_row(p_ptr, q_ptr, u, V, USE_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Inverse-CDF draw from p (or from max(p - q, 0) when USE_Q): the first index whose cumulative mass exceeds u ×
+    total, as `torch.searchsorted(cdf, u * total, right=True)`."""
+    total = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        w = tl.load(p_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
+        if USE_Q:
+            w = tl.maximum(w - tl.load(q_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), 0.0)
+        total += tl.sum(w, axis=0)
+    goal = u * total
+    running = 0.0
+    found = V - 1
+    searching = 1
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        w = tl.load(p_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
+        if USE_Q:
+            w = tl.maximum(w - tl.load(q_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), 0.0)
+        cdf = running + tl.cumsum(w, axis=0)
+        hit = (cdf > goal) & (offs < V)
+        first = tl.min(tl.where(hit, offs, V), axis=0)
+        take = (searching == 1) & (first < V)
+        found = tl.where(take, first, found)
+        searching = tl.where(take, 0, searching)
+        running += tl.sum(w, axis=0)
+    return found, total
+
+
+@triton.jit
+def _verify_kernel(scores_ptr, draft_ptr, q_ptr, depth_ptr, greedy_ptr, ua_ptr, us_ptr, n_acc_ptr, next_ptr, V,
+                   K: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    depth = tl.load(depth_ptr + b)
+    greedy = tl.load(greedy_ptr + b) != 0
+    row0 = scores_ptr + b * (K + 1) * V
+    n_acc = 0
+    going = 1
+    for j in range(0, depth):
+        d = tl.load(draft_ptr + b * K + j)
+        if greedy:
+            ok = _row_argmax(row0 + j * V, V, BLOCK_V) == d
+        else:
+            p_d = tl.load(row0 + j * V + d).to(tl.float32)
+            q_d = tl.load(q_ptr + (b * K + j) * V + d).to(tl.float32)
+            ok = tl.load(ua_ptr + b * K + j) * q_d < p_d
+        going = tl.where(ok & (going == 1), 1, 0)
+        n_acc += going
+    if greedy:
+        token = _row_argmax(row0 + n_acc * V, V, BLOCK_V)
+    else:
+        u = tl.load(us_ptr + b * (K + 1) + n_acc)
+        token = 0
+        total = 0.0
+        resampled = 0
+        if HAS_Q:
+            if n_acc < depth:
+                token, total = _sample_row(row0 + n_acc * V, q_ptr + (b * K + n_acc) * V, u, V, True, BLOCK_V)
+                resampled = tl.where(total > 0, 1, 0)
+        if resampled == 0:
+            token, total = _sample_row(row0 + n_acc * V, row0, u, V, False, BLOCK_V)
+    tl.store(n_acc_ptr + b, n_acc.to(tl.int64))
+    tl.store(next_ptr + b, token.to(tl.int64))
+
+
+def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
+    batch, k = draft.shape
+    vocab = scores.shape[-1]
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=scores.device)
+    next_token = torch.empty(batch, dtype=torch.int64, device=scores.device)
+    has_q = draft_probs is not None and k > 0
+    q = draft_probs.float().contiguous() if has_q else scores
+    _verify_kernel[(batch,)](
+        scores.float().contiguous(), draft.contiguous(), q, depth.contiguous(), greedy.to(torch.int8).contiguous(),
+        u_accept.float().contiguous(), u_sample.float().contiguous(), num_accepted, next_token, vocab,
+        K=k, HAS_Q=has_q, BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
+    )
+    return num_accepted, next_token
