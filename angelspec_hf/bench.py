@@ -183,10 +183,12 @@ def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
 
 def bench_main(args) -> int:
     import angelspec_hf
-    from angelspec_hf.modeling import DRAFTERS
+    from angelspec_hf.shipped import shipped_or_untrained
 
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
+    if args.concurrency:
+        methods = [m for m in methods if m in ("mtp", "dflash", "dfly")] + ["ar"]
     unknown = set(methods) - set(METHODS)
     if unknown or "ar" not in methods:
         raise SystemExit(f"--methods must include 'ar' and come from {METHODS}; got {sorted(unknown)}")
@@ -197,19 +199,24 @@ def bench_main(args) -> int:
     for family in sorted(needed - {"router"}):
         if family in given:
             drafters[family] = angelspec_hf.load_drafter(given[family])
-        else:
+        else:  # the shipped drafter for the embedded target, else a fresh untrained one (said in the output)
             torch.manual_seed(0)
-            drafters[family] = DRAFTERS[family][1].from_target(target).eval()
-            untrained.append(family)
+            drafters[family], trained = shipped_or_untrained(family, target)
+            if not trained:
+                untrained.append(family)
     if "router" in methods:
         from angelspec_hf.router import DrafterRouter
 
         drafters["router"] = DrafterRouter({"mtp": drafters["mtp"], "dfly": drafters["dfly"]}, tokenizer)
     prompt_sets = load_prompt_sets(args.sets.split(","), args.prompts_per_set, args.prompts)
+    if args.concurrency:
+        from angelspec_hf.bench_batch import concurrency_main
+
+        return concurrency_main(args, target, tokenizer, drafters, untrained, prompt_sets)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     setting = (f"target {args.target or angelspec_hf.targets.DEFAULT_TARGET}; {args.max_new_tokens} new tokens; "
                f"{args.prompts_per_set} prompts per set; temperatures {temperatures}; "
-               + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given[f]} (draft {d.num_draft_tokens})"
+               + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given.get(f, 'shipped')} (draft {d.num_draft_tokens})"
                            for f, d in drafters.items() if f != "router")
                + f"; {platform.machine()} CPU, {args.threads} threads")
     records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens)
@@ -235,4 +242,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--threads", type=int, default=2)
     bench.add_argument("--out", default="outputs/bench")
+    bench.add_argument("--concurrency", default=None,
+                       help="e.g. 1,2,4,8,16,32: the batched engine under closed-loop load (plain, fixed depth, D-Cut)")
+    bench.add_argument("--requests-per-client", type=int, default=2, help="with --concurrency")
     bench.set_defaults(func=bench_main)

@@ -1,6 +1,8 @@
 """`angelspec` command line. `angelspec generate` is the main job: speculative generation on the embedded target,
 printing the text, the mean accepted length and the speed-up over plain `generate`, measured side by side.
-`angelspec regenerate` writes the target's own responses to TRAIN prompts (self-distillation data)."""
+`angelspec regenerate` writes the target's own responses to TRAIN prompts (self-distillation data).
+`angelspec serve` runs a TGI-compatible HTTP server on the batched speculative engine.
+`angelspec demo` runs the Gradio Space (`spaces_demo/app.py`) locally."""
 
 from __future__ import annotations
 
@@ -97,6 +99,54 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import torch
+
+    import angelspec_hf
+    from angelspec_hf.modeling import DRAFTERS
+    from angelspec_hf.shipped import shipped_or_untrained
+    from angelspec_hf.tgi_patch.engine import SpeculativeEngine
+    from angelspec_hf.tgi_patch.server import create_app, serve
+
+    torch.set_num_threads(args.threads)
+    model_id = args.target or angelspec_hf.targets.DEFAULT_TARGET
+    print(f"loading target: {model_id} ...", flush=True)
+    target, tokenizer = angelspec_hf.load_target(args.target)
+    trained = True
+    if args.drafter == "none":
+        drafter = None
+    elif args.drafter in DRAFTERS:
+        drafter, trained = shipped_or_untrained(args.drafter, target)
+        if not trained:
+            print(f"NOTE: no trained {args.drafter} drafter is shipped, so this one is UNTRAINED: outputs are still "
+                  "the target's own, but expect a slow-down (the cost model falls back to plain steps).")
+    else:
+        drafter = angelspec_hf.load_drafter(args.drafter)
+    if args.verify == "auto":
+        print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)
+    engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size)
+    max_total = min(args.max_total_tokens, engine.max_total_tokens)
+    app = create_app(
+        engine, tokenizer, model_id,
+        max_input_tokens=min(args.max_input_tokens, max_total - 1, engine.max_prefill_tokens),
+        max_total_tokens=max_total, max_concurrent_requests=args.max_concurrent_requests,
+        info_extra={"angelspec": {"drafter": args.drafter, "drafter_trained": trained, "verify": args.verify,
+                                  "max_batch_size": args.max_batch_size}},
+    )
+    serve(app, host=args.host, port=args.port)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    try:
+        from angelspec_hf.spaces_demo.app import main as demo_main
+    except ImportError as error:
+        raise ImportError(f"`angelspec demo` needs gradio and pandas ({error}); install them with "
+                          "`pip install 'angelspec-hf[demo]'`") from error
+    demo_main(host=args.host, port=args.port, threads=args.threads, share=args.share)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="angelspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +173,25 @@ def main(argv=None) -> int:
     reg.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     reg.add_argument("--seed", type=int, default=0)
     reg.set_defaults(func=cmd_regenerate)
+    srv = sub.add_parser("serve", help="TGI-compatible HTTP server on the batched speculative engine (D-Cut)")
+    srv.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
+    srv.add_argument("--drafter", default="dfly",
+                     help="mtp | dflash | dfly (the shipped one, else untrained) | none | a drafter folder/id")
+    srv.add_argument("--verify", default="auto", help="auto (D-Cut + cost model) | N (budget per step) | depth:K")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
+    srv.add_argument("--max-concurrent-requests", type=int, default=128, help="beyond this: 429 overloaded")
+    srv.add_argument("--max-input-tokens", type=int, default=1024)
+    srv.add_argument("--max-total-tokens", type=int, default=2048, help="input + new tokens per request")
+    srv.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    srv.set_defaults(func=cmd_serve)
+    demo = sub.add_parser("demo", help="the Gradio Space, locally: plain vs speculative generation, live")
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=None, help="default: 7860, or the next free port")
+    demo.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    demo.add_argument("--share", action="store_true", help="a temporary public gradio.live link")
+    demo.set_defaults(func=cmd_demo)
     from angelspec_hf.bench import add_bench_parser
 
     add_bench_parser(sub)

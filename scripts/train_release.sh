@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The shipped drafters for the embedded SmolLM2-135M-Instruct target (drafters/), trained on CPU with the project's
 # trainer on data/regenerated/: DFly and DFlash (block 8) on identical code + math data, steps and batch (the same
-# cached fp16 target features feed both), MTP (4 steps) on chat. One thread, sequential, resumable: rerunning the
-# script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/<name>/.
+# cached fp16 target features feed both), MTP (4 steps) on chat. The three runs go side by side, one thread each;
+# rerunning the script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/.
 # Usage: scripts/train_release.sh [CODE_MATH_STEPS] [CHAT_STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${1:-1200}
-CHAT_STEPS=${2:-1000}
+STEPS=${1:-800}
+CHAT_STEPS=${2:-600}
 OUT=${3:-outputs/release}
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 1e-3 --warmup_steps 50 --lr_scheduler_type cosine
@@ -19,10 +19,13 @@ from angelspec_hf.trainer.run import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 CODE_MATH=(--train_sets gsm8k code_alpaca gpteacher_codegen --feature_cache_dir "$OUT/features-code-math")
 for family in dfly dflash; do
   train --drafter_type $family "${CODE_MATH[@]}" --max_steps "$STEPS" --output_dir "$OUT/$family" "${COMMON[@]}" \
-    >> "$OUT/$family.log" 2>&1
+    >> "$OUT/$family.log" 2>&1 &
+  # the first run caches the code + math features; the second starts once they are written, and reuses them
+  until [ -f "$OUT/features-code-math/angelspec_features.json" ]; do sleep 10; done
 done
 train --drafter_type mtp --train_sets sharegpt alpaca --feature_cache_dir "$OUT/features-chat" \
-  --max_steps "$CHAT_STEPS" --output_dir "$OUT/mtp" "${COMMON[@]}" >> "$OUT/mtp.log" 2>&1
+  --max_steps "$CHAT_STEPS" --output_dir "$OUT/mtp" "${COMMON[@]}" >> "$OUT/mtp.log" 2>&1 &
+wait
 for family in dfly dflash mtp; do
   .venv/bin/python -m angelspec_hf.ship "$OUT/$family" "drafters/smollm2-135m-instruct-$family"
 done

@@ -49,3 +49,19 @@ def test_transformers_dflash_path_on_real_target(real):
         out = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter,
                               speculation_type="dflash")
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family,verify", [("dfly", 6), ("mtp", "depth:3")])
+def test_batched_engine_is_lossless_on_real_prompts(real, family, verify):
+    """All 10 prompts at once through the continuous-batching engine (shipped drafter where there is one, and at most
+    4 requests running so that requests join as others leave): each output equals its own plain greedy output."""
+    from angelspec_hf.shipped import shipped_or_untrained
+    from angelspec_hf.tgi_patch.engine import generate_batch
+
+    target, _, inputs, plain = real
+    torch.manual_seed(0)
+    drafter, _ = shipped_or_untrained(family, target)
+    outputs = generate_batch(target, drafter, [ids[0].tolist() for ids in inputs], max_new_tokens=NEW_TOKENS,
+                             verify=verify, max_batch_size=4)
+    for ids, ref, out in zip(inputs, plain, outputs):
+        assert out == ref[0, ids.shape[1]:].tolist()

@@ -151,6 +151,8 @@ class SpeculativeEngine:
         self.pending_slot = torch.zeros(0, dtype=torch.long, device=self.device)
         self.pending_next = torch.zeros(0, dtype=torch.long, device=self.device)
         self.plain_steps_left = 0
+        self._backoff = probe_every
+        self.max_backoff = 8 * probe_every
         self.last_step: StepTrace | None = None
         if self.mode == "auto" and self._cost_model is None:
             self._cost_model = load_or_profile(self, cost_model_cache)  # before any request: it uses idle slots
@@ -223,6 +225,7 @@ class SpeculativeEngine:
         events = self._drop_cancelled()
         self._admit()
         if not self.running:
+            self.last_step = None
             return events
         trace = StepTrace()
         slots_all = sorted(self.running)
@@ -438,8 +441,11 @@ class SpeculativeEngine:
             gain = float(n_dec + (survival.reshape(-1).sort(descending=True).values[: int(chosen)].sum()))
             speculative_rate = gain / float(costs[int(chosen)])
             plain_rate = n_dec / cost.verify(rows, base_tokens)
-            if speculative_rate < plain_rate:
-                self.plain_steps_left = self.probe_every
+            if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing
+                self.plain_steps_left = self._backoff
+                self._backoff = min(2 * self._backoff, self.max_backoff)
+            else:
+                self._backoff = self.probe_every
         trace.survival = survival.tolist()
         trace.budget = int(depth.sum())
         return depth

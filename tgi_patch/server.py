@@ -32,7 +32,7 @@ from angelspec_hf.tgi_patch.worker import (
 )
 
 try:
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict, Field
@@ -185,10 +185,6 @@ class Job:
     handle: RequestHandle | None = None  # set once the engine accepted the request
 
 
-def _error(exc: ServingError) -> JSONResponse:
-    return JSONResponse({"error": str(exc), "error_type": exc.error_type}, status_code=exc.status)
-
-
 def _sse(payload: dict) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
@@ -198,7 +194,8 @@ class TGIServer:
     """Validation and generation shared by the routes; one per app."""
 
     def __init__(self, engine, tokenizer, model_id: str, *, max_input_tokens: int, max_total_tokens: int,
-                 max_concurrent_requests: int, max_stop_sequences: int, info_extra: dict | None):
+                 max_concurrent_requests: int, max_stop_sequences: int, info_extra: dict | None,
+                 graceful_shutdown_s: float):
         from angelspec_hf.tgi_patch.engine import SamplingParams
 
         self.sampling_params_cls = SamplingParams
@@ -206,6 +203,7 @@ class TGIServer:
         self.max_input_tokens, self.max_total_tokens = max_input_tokens, max_total_tokens
         self.max_concurrent_requests, self.max_stop_sequences = max_concurrent_requests, max_stop_sequences
         self.info_extra = info_extra or {}
+        self.graceful_shutdown_s = graceful_shutdown_s
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.metrics = ServingMetrics()
         self.worker = EngineWorker(engine, max_concurrent_requests=max_concurrent_requests, metrics=self.metrics)
@@ -293,9 +291,9 @@ class TGIServer:
         ids = self._input_ids(None, self.tokenizer(text, add_special_tokens=False).input_ids)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         greedy = body.temperature == 0  # TGI's chat rule: temperature 0 is greedy, otherwise sample
-        return self.job(ids, max_new_tokens=body.max_completion_tokens or body.max_tokens, do_sample=not greedy,
-                        temperature=None if greedy else body.temperature, top_k=None, top_p=body.top_p,
-                        seed=body.seed, stop=stop)
+        max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return self.job(ids, max_new_tokens=max_new, do_sample=not greedy, temperature=None if greedy else
+                        body.temperature, top_k=None, top_p=None if greedy else body.top_p, seed=body.seed, stop=stop)
 
     # -- generation
     async def submit(self, job: Job) -> Job:
@@ -368,7 +366,8 @@ class TGIServer:
 
         await self.submit(job)
         # the background task frees the slot even when the client left before the stream began
-        return EventSourceResponse(guarded(), sep="\n", background=BackgroundTask(self.worker.release, job.handle))
+        return EventSourceResponse(guarded(), sep="\n", background=BackgroundTask(self.worker.release, job.handle),
+                                   shutdown_grace_period=self.graceful_shutdown_s)
 
     async def tgi_events(self, body: GenerateRequest, job: Job):
         """SSE events of `/generate_stream`; the last one carries `generated_text` and `details`."""
@@ -474,18 +473,22 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024, max_total_tokens: int = 2048,
                max_concurrent_requests: int = 128, max_stop_sequences: int = 4, info_extra: dict | None = None,
-               shutdown_timeout_s: float = 30.0) -> FastAPI:
+               graceful_shutdown_s: float = 30.0) -> FastAPI:
     """A FastAPI app serving `engine` (a `SpeculativeEngine` or anything with its interface) over TGI's protocol.
-    The engine's worker thread starts and stops with the app's lifespan (uvicorn runs it)."""
+
+    The limits are TGI's (`/info` reports them). The engine's worker thread starts and stops with the app's lifespan
+    (uvicorn runs it); on shutdown, open streams get `graceful_shutdown_s` to finish, then are cut, and whatever the
+    engine still runs ends as `incomplete_generation`."""
     server = TGIServer(engine, tokenizer, model_id, max_input_tokens=max_input_tokens,
                        max_total_tokens=max_total_tokens, max_concurrent_requests=max_concurrent_requests,
-                       max_stop_sequences=max_stop_sequences, info_extra=info_extra)
+                       max_stop_sequences=max_stop_sequences, info_extra=info_extra,
+                       graceful_shutdown_s=graceful_shutdown_s)
 
     @asynccontextmanager
     async def lifespan(app):
         server.worker.start()
         yield
-        await asyncio.to_thread(server.worker.shutdown, shutdown_timeout_s)
+        await asyncio.to_thread(server.worker.shutdown, graceful_shutdown_s)
 
     app = FastAPI(title="angelspec-hf", version=_version(), lifespan=lifespan)
     app.state.server = server
@@ -497,7 +500,7 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
 
     @app.exception_handler(ServingError)
     async def on_serving_error(request, exc):
-        return _error(exc)
+        return JSONResponse({"error": str(exc), "error_type": exc.error_type}, status_code=exc.status)
 
     async def stream_tgi(body: GenerateRequest):
         job = server.generate_job(body)
@@ -556,8 +559,10 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
-          graceful_shutdown_s: int = 30) -> None:
-    """Runs `app` under uvicorn until interrupted; in-flight requests get `graceful_shutdown_s` to finish."""
+          graceful_shutdown_s: int = 35) -> None:
+    """Runs `app` under uvicorn until interrupted (SIGINT/SIGTERM): it stops accepting connections, lets in-flight
+    requests finish for up to `graceful_shutdown_s` (streams get the app's own, shorter, grace), then stops the
+    engine thread."""
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s)

@@ -2,14 +2,14 @@
 
 `SpeculativeEngine` is not thread-safe, so one background thread owns it: it admits requests from a thread-safe
 inbox, loops `engine.step()` while there is work, and hands every `TokenEvent` to the asyncio queue of the request it
-belongs to (`loop.call_soon_threadsafe`). Handlers never touch the engine; they `submit`, read their queue, and
-`cancel`. The engine knows nothing of tokens as text: detokenisation, stop strings and protocols live in `server.py`.
+belongs to (`loop.call_soon_threadsafe`). Handlers never touch the engine: they `submit`, read their queue, and
+`release` (which cancels a request the engine still runs). The engine knows nothing of tokens as text:
+detokenisation, stop strings and protocols live in `server.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -98,7 +98,7 @@ class EngineWorker:
     @property
     def queue_size(self) -> int:
         """Requests submitted and not yet running (approximate: read across threads)."""
-        return self._inbox.qsize() + getattr(self.engine, "num_waiting", 0)
+        return self._inbox.qsize() + self.engine.num_waiting
 
     async def submit(self, input_ids: list[int], params) -> RequestHandle:
         """Queues a request and waits until the engine accepted it; raises `OverloadedError` past
@@ -214,7 +214,7 @@ class EngineWorker:
                     self._step()
             # shutdown: everything still running ends as incomplete; let the engine flush its cancellations
             self._fail_active(IncompleteGenerationError("the server shut down before the request finished"))
-            for _ in itertools.repeat(None, 1000):
+            for _ in range(1000):
                 if not self.engine.has_work():
                     break
                 self.engine.step()
@@ -268,11 +268,12 @@ class ServingMetrics:
                                          ["choice"], registry=r)
         self.generated_tokens = Counter("angelspec_generated_tokens", "tokens streamed, by who proposed them",
                                         ["source"], registry=r)
+        self._last_trace = None
 
     def bind(self, worker: EngineWorker) -> None:
         """Gauges read at scrape time."""
         self.queue_size.set_function(lambda: worker.queue_size)
-        self.running.set_function(lambda: getattr(worker.engine, "num_running", 0))
+        self.running.set_function(lambda: worker.engine.num_running)
 
     def observe_step(self, engine, events, seconds: float) -> None:
         self.step_duration.observe(seconds)
@@ -284,12 +285,10 @@ class ServingMetrics:
             drafted = sum(event.from_draft)
             self.generated_tokens.labels("draft").inc(drafted)
             self.generated_tokens.labels("target").inc(len(event.token_ids) - drafted)
-        trace = getattr(engine, "last_step", None)
-        if trace is None:
+        trace = engine.last_step
+        if trace is None or trace is self._last_trace:  # a step that only dropped cancelled requests has no trace
             return
-        if getattr(trace, "budget", None) is not None:
-            self.verify_budget.observe(trace.budget)
-        if getattr(trace, "pruned_tokens", None) is not None:
-            self.pruned_tokens.observe(trace.pruned_tokens)
-        if getattr(trace, "choice", None):
-            self.cost_model_choice.labels(str(trace.choice)).inc()
+        self._last_trace = trace
+        self.verify_budget.observe(trace.budget)
+        self.pruned_tokens.observe(trace.pruned_tokens)
+        self.cost_model_choice.labels(trace.choice).inc()

@@ -1,0 +1,159 @@
+"""`angelspec bench --concurrency 1,2,4,...`: the batched engine under closed-loop load.
+
+For each concurrency C, C clients each keep one request in flight (a new prompt as soon as the previous one ends) until
+`requests_per_client × C` requests are done; methods run one after another on the same prompts: plain batched
+decoding, fixed-depth drafting (the drafter's whole block, verify="full") and D-Cut (verify="auto", the cost model
+profiled on this machine) for each drafter. Reported per method and concurrency: throughput, per-request latency (p50 /
+p99), τ, verified draft tokens per step, and the speed-up over plain decoding; greedy outputs must equal plain
+decoding's for every request (a mismatch fails the command).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
+
+
+def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: int, total: int,
+                params: SamplingParams) -> dict:
+    """Run `total` requests with `concurrency` in flight; returns throughput, latencies and outputs by prompt index."""
+    queue = list(range(total))
+    inflight, started, outputs, latencies = {}, {}, {}, []
+    tokens = 0
+
+    def submit():
+        i = queue.pop(0)
+        rid = engine.add_request(prompts[i % len(prompts)], params)
+        inflight[rid], started[rid] = i, time.perf_counter()
+
+    before = dict(engine.totals)
+    start = time.perf_counter()
+    while queue and len(inflight) < concurrency:
+        submit()
+    while inflight:
+        for event in engine.step():
+            i = inflight[event.request_id]
+            outputs.setdefault(i, []).extend(event.token_ids)
+            tokens += len(event.token_ids)
+            if event.finished:
+                latencies.append(time.perf_counter() - started.pop(event.request_id))
+                del inflight[event.request_id]
+                if queue:
+                    submit()
+    seconds = time.perf_counter() - start
+    delta = {k: engine.totals[k] - before[k] for k in ("steps", "decode_row_steps", "accepted", "verified", "pruned",
+                                                       "speculative_steps")}
+    rounds = delta["decode_row_steps"]
+    latencies.sort()
+    return {
+        "seconds": seconds, "tokens": tokens, "throughput": tokens / seconds,
+        "latency_p50": statistics.median(latencies),
+        "latency_p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+        "tau": (delta["accepted"] + rounds) / rounds if rounds else float("nan"),
+        "verified_per_step": delta["verified"] / max(delta["steps"], 1),
+        "pruned_per_step": delta["pruned"] / max(delta["steps"], 1),
+        "speculative_steps": delta["speculative_steps"] / max(delta["steps"], 1),
+        "outputs": outputs,
+    }
+
+
+def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], concurrencies, requests_per_client=2,
+                          max_new_tokens=64, modes=("full", "auto"), cost_model_cache=None) -> list[dict]:
+    """drafters: {name: drafter}. Returns one record per (concurrency, method)."""
+    max_batch = max(concurrencies)
+    engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max_batch)}
+    for name, drafter in drafters.items():
+        for mode in modes:
+            label = f"{name}-dcut" if mode == "auto" else f"{name}-{mode}"
+            engines[label] = SpeculativeEngine(target, drafter, verify=mode, max_batch_size=max_batch,
+                                               cost_model_cache=cost_model_cache)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    closed_loop(engines["plain"], prompts[:1], 1, 1, SamplingParams(max_new_tokens=4))  # warm-up
+    records = []
+    for c in concurrencies:
+        total = c * requests_per_client
+        plain = None
+        for label, engine in engines.items():
+            result = closed_loop(engine, prompts, c, total, params)
+            outputs = result.pop("outputs")
+            if label == "plain":
+                plain, plain_outputs = result, outputs
+            identical = all(outputs[i] == plain_outputs[i] for i in outputs)
+            records.append({"concurrency": c, "method": label, "requests": total, **result,
+                            "speedup": result["throughput"] / plain["throughput"], "identical": identical})
+            print(f"c={c:>3} {label:<14} {result['throughput']:7.1f} tok/s  x{records[-1]['speedup']:.2f}  "
+                  f"tau {result['tau']:.2f}  verified/step {result['verified_per_step']:.1f}  "
+                  f"identical {identical}", flush=True)
+    return records
+
+
+def write_concurrency_outputs(records, out_dir, setting: str) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "concurrency.json").write_text(json.dumps({"setting": setting, "records": records}, indent=1))
+    lines = [f"# angelspec bench --concurrency\n\n{setting}\n",
+             "| concurrency | method | requests | tok/s | speed-up vs plain | τ | verified draft tokens/step | "
+             "pruned/step | drafting steps | p50 latency (s) | p99 latency (s) | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['throughput']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['verified_per_step']:.1f} | {r['pruned_per_step']:.1f} | "
+                     f"{100 * r['speculative_steps']:.0f}% | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
+                     f"{'yes' if r['identical'] else '**NO**'} |")
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    concurrencies = sorted({r["concurrency"] for r in records})
+    lines += ["", "Geometric mean of the speed-up over plain decoding across concurrencies:", ""]
+    for m in methods:
+        values = [r["speedup"] for r in records if r["method"] == m]
+        lines.append(f"- {m}: {statistics.geometric_mean(values):.2f}x")
+    (out / "concurrency.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for m in methods:
+        rs = [next(r for r in records if r["method"] == m and r["concurrency"] == c) for c in concurrencies]
+        ax1.plot(concurrencies, [r["throughput"] for r in rs], marker="o", label=m)
+        ax2.plot(concurrencies, [r["speedup"] for r in rs], marker="o", label=m)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+    ax1.set_ylabel("tokens/s")
+    ax2.set_ylabel("speed-up over plain batched decoding")
+    ax2.axhline(1.0, color="black", lw=0.8)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "concurrency.png", dpi=120)
+    plt.close(fig)
+    return {"json": out / "concurrency.json", "markdown": out / "concurrency.md", "plot": out / "concurrency.png"}
+
+
+def concurrency_main(args, target, tokenizer, drafters: dict, untrained: list, prompt_sets: dict) -> int:
+    from angelspec_hf.prompts import chat_input_ids
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    prompts = [chat_input_ids(tokenizer, p)[0].tolist() for ps in prompt_sets.values() for p in ps]
+    chosen = {f: d for f, d in drafters.items() if f in ("mtp", "dflash", "dfly")}
+    setting = (f"closed loop, {args.requests_per_client} requests per client, {args.max_new_tokens} new tokens, "
+               f"greedy; prompts: {', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())} (chat template); "
+               + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else 'trained'} (draft {d.num_draft_tokens})"
+                           for f, d in chosen.items())
+               + f"; {platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}")
+    records = run_concurrency_bench(target, chosen, prompts, concurrencies, args.requests_per_client,
+                                    args.max_new_tokens)
+    paths = write_concurrency_outputs(records, args.out, setting)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    bad = [r for r in records if not r["identical"]]
+    for r in bad:
+        print(f"FAILURE: {r['method']} at concurrency {r['concurrency']} differs from plain greedy decoding")
+    return 1 if bad else 0

@@ -1,0 +1,358 @@
+"""`angelspec serve` over HTTP: TGI's routes and shapes, validation, overload, disconnects, engine failure and
+shutdown, against a live uvicorn server running the real batched engine on the embedded SmolLM2-135M-Instruct target
+(an untrained DFly drafter: correctness, not speed). The real clients are in `test_server_clients.py`."""
+
+import functools
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+import angelspec_hf
+from angelspec_hf import DFlyDrafter
+
+pytest.importorskip("fastapi")
+from angelspec_hf.tgi_patch.dcut import CostModel  # noqa: E402
+from angelspec_hf.tgi_patch.engine import SpeculativeEngine  # noqa: E402
+from angelspec_hf.tgi_patch.server import create_app, running_in_thread  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+MODEL_ID = "SmolLM2-135M-Instruct"
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:"]
+# A fixed cost model (seconds per step, roughly this CPU) instead of profiling one at start-up: D-Cut still chooses.
+COST_MODEL = CostModel(verify_coef=(0.06, 0.002, 0.004), draft_coef=(0.02, 0.003))
+
+
+@functools.lru_cache(maxsize=None)
+def real_target():
+    """The embedded target and tokenizer, loaded once per test session (the client tests share it)."""
+    torch.set_num_threads(1)
+    return angelspec_hf.load_default_target()
+
+
+def reference(input_ids, max_new_tokens):
+    """The target's own greedy tokens: what the server must return, token for token."""
+    target, _ = real_target()
+    out = target.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(input_ids):].tolist()
+
+
+def make_app(drafter=True, **kwargs):
+    target, tokenizer = real_target()
+    draft_model = DFlyDrafter.from_target(target).eval() if drafter else None
+    engine = SpeculativeEngine(target, draft_model, verify="auto", cost_model=COST_MODEL, max_batch_size=8)
+    limits = dict(max_input_tokens=128, max_total_tokens=384, max_concurrent_requests=6) | kwargs
+    return create_app(engine, tokenizer, MODEL_ID, **limits), engine
+
+
+@pytest.fixture(scope="module")
+def live():
+    _, tokenizer = real_target()
+    refs = {p: reference(tokenizer(p).input_ids, 12) for p in PROMPTS}  # before the engine touches the target
+    app, engine = make_app()
+    with running_in_thread(app) as url:
+        yield url, app.state.server, engine, refs
+
+
+def post(url, route, body, **kwargs):
+    return requests.post(url + route, json=body, timeout=120, **kwargs)
+
+
+def sse_events(response):
+    """The JSON payloads of an SSE response, as TGI's clients read them."""
+    return [json.loads(line[5:]) for line in response.iter_lines(decode_unicode=True)
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+def wait_until_idle(server, engine, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.worker.in_flight == 0 and engine.num_running == 0 and engine.num_waiting == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def assert_serves(url):
+    r = post(url, "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["generated_text"]
+
+
+def test_text_stream_detokenises_incrementally_and_cuts_at_stop_strings():
+    """No generation: the real tokenizer's ids of a known text, pushed one by one."""
+    from angelspec_hf.tgi_patch.server import TextStream
+
+    _, tokenizer = real_target()
+    text = "Héllo wörld, naïve café 🙂! The end."
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    special = frozenset(tokenizer.all_special_ids)
+    plain = TextStream(tokenizer, [], [], special)
+    assert "".join(plain.push(i, 0.0)["text"] for i in ids) == text == plain.final_text()
+    stream, deltas = TextStream(tokenizer, [], ["café 🙂", "zzz"], special), []
+    for i in ids:
+        stream.push(i, 0.0)
+        deltas.append(stream.openai_delta())
+        if stream.stop_span:
+            break
+    assert stream.final_text() == "Héllo wörld, naïve café 🙂"  # TGI keeps the stop string
+    assert stream.final_text(openai=True) == "".join(deltas) == "Héllo wörld, naïve "  # OpenAI drops it
+
+
+def test_info_health_models_tokenize(live):
+    url, server, _, _ = live
+    info = requests.get(url + "/info").json()
+    assert info["model_id"] == MODEL_ID
+    assert (info["max_input_tokens"], info["max_total_tokens"], info["max_stop_sequences"]) == (128, 384, 4)
+    assert requests.get(url + "/health").status_code == 200
+    assert requests.get(url + "/v1/models").json()["data"][0]["id"] == MODEL_ID
+    tokens = post(url, "/tokenize", {"inputs": "Hello world"}).json()
+    assert [t["id"] for t in tokens] == server.tokenizer("Hello world").input_ids
+    assert "".join(t["text"] for t in tokens) == "Hello world"
+
+
+def test_concurrent_greedy_requests_are_lossless(live):
+    """Three prompts at once (one batch, ragged lengths): each equals the target's own greedy decoding."""
+    url, _, _, refs = live
+    body = lambda p: {"inputs": p, "parameters": {"max_new_tokens": 12, "details": True,  # noqa: E731
+                                                  "decoder_input_details": p == PROMPTS[0]}}
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        responses = list(pool.map(lambda p: post(url, "/generate", body(p)), PROMPTS))
+    _, tokenizer = real_target()
+    for prompt, r in zip(PROMPTS, responses):
+        assert r.status_code == 200, r.text
+        out = r.json()
+        details = out["details"]
+        assert [t["id"] for t in details["tokens"]] == refs[prompt]
+        assert out["generated_text"] == tokenizer.decode(refs[prompt], skip_special_tokens=True)
+        assert details["generated_tokens"] == len(refs[prompt])
+        assert details["finish_reason"] == ("length" if len(refs[prompt]) == 12 else "eos_token")
+        assert details["seed"] is None  # greedy
+        assert all(set(t) == {"id", "text", "logprob", "special"} and t["logprob"] <= 0 for t in details["tokens"])
+        if prompt == PROMPTS[0]:
+            assert [t["id"] for t in details["prefill"]] == tokenizer(prompt).input_ids
+        else:
+            assert details["prefill"] == []
+
+
+def test_compat_route_and_streams(live):
+    url, _, _, refs = live
+    prompt = PROMPTS[1]
+    plain = post(url, "/", {"inputs": prompt, "parameters": {"max_new_tokens": 12}})
+    assert isinstance(plain.json(), list) and set(plain.json()[0]) == {"generated_text"}
+    full = post(url, "/", {"inputs": prompt, "parameters": {"max_new_tokens": 12, "return_full_text": True}})
+    assert full.json()[0]["generated_text"] == prompt + plain.json()[0]["generated_text"]
+    for route, body in [("/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": 12}}),
+                        ("/", {"inputs": prompt, "stream": True, "parameters": {"max_new_tokens": 12}})]:
+        r = post(url, route, body, stream=True)
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+        assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+        assert [e["token"]["id"] for e in events] == refs[prompt]
+        assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+        last = events[-1]
+        assert last["generated_text"] == plain.json()[0]["generated_text"]
+        assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == last["generated_text"]
+        assert last["details"]["generated_tokens"] == len(events)
+
+
+def test_stop_sequence_cuts_the_text_and_frees_the_slot(live):
+    url, server, engine, refs = live
+    _, tokenizer = real_target()
+    full_text = tokenizer.decode(refs[PROMPTS[0]], skip_special_tokens=True)
+    stop = full_text.strip().split()[2]  # a word a few tokens in
+    r = post(url, "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 12, "details": True,
+                                                                      "stop": ["never-there", stop]}})
+    out = r.json()
+    assert out["details"]["finish_reason"] == "stop_sequence"
+    assert out["generated_text"].endswith(stop) and full_text.startswith(out["generated_text"])  # TGI keeps the stop
+    assert out["details"]["generated_tokens"] < len(refs[PROMPTS[0]])
+    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4,
+                                              "temperature": 0, "stop": "Hello"})  # OpenAI drops it
+    assert "Hello" not in chat.json()["choices"][0]["message"]["content"]
+    assert wait_until_idle(server, engine)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("{not json", "JSON"),
+    ([1, 2], "body"),
+    ({"parameters": {"max_new_tokens": 4}}, "inputs"),
+    ({"inputs": "", "parameters": {"max_new_tokens": 4}}, "cannot be empty"),
+    ({"inputs": 7}, "inputs"),
+    ({"inputs": "Hi", "parameters": {"max_new_tokens": "4"}}, "max_new_tokens"),
+    ({"inputs": "Hi", "parameters": {"do_sample": "yes"}}, "do_sample"),
+    ({"inputs": "Hi", "parameters": {"max_new_tokens": 10**9}}, "must be <= 384"),
+    ({"inputs": "Hi", "parameters": {"max_new_tokens": 0}}, "strictly positive"),
+    ({"inputs": "Hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, "up to 4 stop sequences"),
+    ({"inputs": "Hi", "parameters": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"inputs": "Hi", "parameters": {"temperature": 0}}, "temperature"),
+    ({"inputs": "Hi", "parameters": {"top_k": 0}}, "top_k"),
+    ({"inputs": "word " * 200, "parameters": {"max_new_tokens": 4}}, "less than 128 tokens"),
+])
+def test_bad_input_gets_tgi_error_and_server_keeps_serving(live, body, needle):
+    url, _, _, _ = live
+    data = body if isinstance(body, str) else json.dumps(body)
+    for route in ("/generate", "/generate_stream"):
+        r = requests.post(url + route, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 422, r.text
+        assert r.json()["error_type"] == "validation" and needle in r.json()["error"]
+    bad_chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2})
+    assert bad_chat.status_code == 422 and bad_chat.json()["error_type"] == "validation"
+    assert requests.get(url + "/health").status_code == 200
+
+
+def test_seeded_sampling_is_reproducible(live):
+    url, _, _, _ = live
+    body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8, "do_sample": True, "seed": 3, "top_k": 20,
+                                                 "temperature": 0.8, "details": True}}
+    a, b = post(url, "/generate", body).json(), post(url, "/generate", body).json()
+    ids = lambda out: [t["id"] for t in out["details"]["tokens"]]  # noqa: E731  (log-probs may differ in the ulp)
+    assert a["generated_text"] == b["generated_text"] and ids(a) == ids(b) and a["details"]["seed"] == 3
+    implied = post(url, "/generate", {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 2, "top_p": 0.9,
+                                                                            "details": True}}).json()
+    assert implied["details"]["seed"] is not None  # TGI samples when a warper is set, and reports the seed
+
+
+def _open_raw_stream(url, max_new_tokens):
+    """A streaming request over a raw socket; returns the socket once the first token event arrived."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"inputs": PROMPTS[0], "parameters": {"max_new_tokens": max_new_tokens}}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    seen = b""
+    while b"data:" not in seen:
+        seen += sock.recv(4096)
+    return sock
+
+
+def test_overload_429_and_abrupt_disconnects_cancel(live):
+    """Six streams fill `max_concurrent_requests`: a seventh request gets 429. The six clients then vanish (RST);
+    their requests are cancelled in the engine at the next step, long before their 300 tokens."""
+    url, server, engine, _ = live
+    socks = [_open_raw_stream(url, 300) for _ in range(6)]
+    r = post(url, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 429 and r.json()["error_type"] == "overloaded"
+    for sock in socks:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+        sock.close()
+    assert wait_until_idle(server, engine), (server.worker.in_flight, engine.num_running)
+    assert engine.totals["tokens"] < 6 * 300
+    assert_serves(url)
+
+
+def test_client_that_closes_a_stream_cancels_its_request(live):
+    url, server, engine, _ = live
+    r = post(url, "/generate_stream", {"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 300}}, stream=True)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line.startswith(b"data:"))
+    r.close()
+    assert wait_until_idle(server, engine)
+    assert_serves(url)
+
+
+def test_engine_failure_is_424_and_the_next_request_succeeds(live, monkeypatch):
+    url, server, engine, _ = live
+    real_step, failures = engine.step, []
+
+    def failing_once():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected engine failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_once)
+    r = post(url, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 4}})
+    assert r.status_code == 424 and r.json() == {"error": "Request failed during generation: injected engine failure",
+                                                 "error_type": "generation"}
+    assert_serves(url)
+    assert wait_until_idle(server, engine)
+
+
+def test_metrics(live):
+    url, _, _, _ = live
+    text = requests.get(url + "/metrics").text
+    assert 'angelspec_requests_total{route="/generate",status="200"}' in text
+    assert 'angelspec_requests_total{route="/generate",status="422"}' in text
+    for name in ("angelspec_request_duration_seconds_bucket", "angelspec_queue_size", "angelspec_batch_size_bucket",
+                 "angelspec_accepted_length_bucket", "angelspec_verify_budget_bucket",
+                 "angelspec_pruned_draft_tokens_bucket", "angelspec_cost_model_choice_total"):
+        assert name in text, name
+
+
+def test_small_load_loses_and_garbles_nothing():
+    """`benchmarks/serve_load.py` at small scale: 16 concurrent clients, 32 greedy requests (half streamed), each
+    answer equal to the same prompt's answer alone; resident memory grows < 10 % after a warm-up round."""
+    psutil = pytest.importorskip("psutil")
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "benchmarks/serve_load.py")
+    serve_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    app, _ = make_app(max_concurrent_requests=32)
+    process = psutil.Process()
+    with running_in_thread(app) as url:
+        report = serve_load.run_load(url, clients=16, requests_total=32, max_new_tokens=6,
+                                     prompts=serve_load.PROMPTS[:4], rss=lambda: process.memory_info().rss)
+    assert report["lost"] == 0 and report["garbled"] == 0, report
+    assert report["rss_growth_pct"] < 10, report
+
+
+def test_graceful_shutdown_finishes_in_flight_requests():
+    """Shutting the server down while a stream runs: the stream completes, then the engine thread stops."""
+    app, engine = make_app(drafter=False)
+    server = app.state.server
+    events = []
+    with running_in_thread(app) as url:
+        r = post(url, "/generate_stream", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 10}}, stream=True)
+        reader = threading.Thread(target=lambda: events.extend(sse_events(r)))
+        reader.start()
+        while not engine.totals["tokens"]:
+            time.sleep(0.02)
+    reader.join(30)
+    assert events and events[-1]["details"]["finish_reason"] in ("length", "eos_token")
+    assert not server.worker.alive and not engine.has_work()
+
+
+def test_cli_serve_and_sigint_mid_stream():
+    """`angelspec serve` in its own process: it serves, and on SIGINT the open stream still completes before the
+    process exits cleanly."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "angelspec_hf.cli", "serve", "--port", str(port), "--verify", "depth:2",
+           "--threads", "1", "--max-batch-size", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.5)
+        assert requests.get(url + "/info").json()["angelspec"]["verify"] == "depth:2"
+        r = post(url, "/generate_stream", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 12}}, stream=True)
+        lines = r.iter_lines(decode_unicode=True)
+        first = next(line for line in lines if line.startswith("data:"))
+        proc.send_signal(signal.SIGINT)
+        events = [json.loads(first[5:])] + [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert events[-1]["details"]["finish_reason"] in ("length", "eos_token")
+        assert len(events) == events[-1]["details"]["generated_tokens"]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+    assert "Application shutdown complete" in output
