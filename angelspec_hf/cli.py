@@ -34,12 +34,17 @@ def cmd_generate(args) -> int:
     print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} ...", flush=True)
     target, tokenizer = angelspec_hf.load_target(args.target)
     if args.drafter in DRAFTERS:
-        drafter = DRAFTERS[args.drafter][1].from_target(target).eval()
-        print(
-            f"NOTE: no trained {args.drafter} drafter is shipped yet, so this one is UNTRAINED (random weights): "
-            "expect a mean accepted length near 1 and a slow-down. The output is still identical to plain "
-            "generate, which is what this run checks."
-        )
+        from angelspec_hf.shipped import shipped_drafter_path, shipped_or_untrained
+
+        drafter, trained = shipped_or_untrained(args.drafter, target)
+        if trained:
+            print(f"drafter: shipped {args.drafter} drafter {shipped_drafter_path(args.drafter)}")
+        else:
+            print(
+                f"NOTE: no trained {args.drafter} drafter is shipped for this target, so this one is UNTRAINED "
+                "(random weights): expect a mean accepted length near 1 and a slow-down. The output is still "
+                "identical to plain generate, which is what this run checks."
+            )
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)
     input_ids = chat_input_ids(tokenizer, args.prompt)
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="speculative generation vs plain generate, side by side")
     gen.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", default="dfly", help="mtp | dflash | dfly (fresh, untrained) or a drafter folder/id")
+    gen.add_argument("--drafter", default="dfly", help="mtp | dflash | dfly (the shipped drafter; untrained where none ships) or a folder/id")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--repeats", type=int, default=3)

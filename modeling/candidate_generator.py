@@ -68,21 +68,27 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
+        self.stop_threshold = float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
+        self._survival = 1.0
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.state = drafter.new_draft_state()
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
 
-    def _select(self, logits: torch.Tensor, prefix: torch.LongTensor) -> tuple[torch.Tensor, torch.LongTensor]:
-        """Process one position's draft logits like the target's (same processors), then pick: argmax or a sample."""
+    def _select(self, logits: torch.Tensor, prefix: torch.LongTensor):
+        """Process one position's draft logits like the target's (same processors), then pick: argmax or a sample.
+        Returns `(logits, token, stop)`: `stop` once the drafter's own probability of its draft so far falls below
+        `config.draft_stop_threshold`."""
         logits = logits.float()
         if self.logits_processor is not None and len(self.logits_processor) > 0:
             logits = self.logits_processor(prefix, logits)
+        probs = torch.softmax(logits, dim=-1)
         if self.do_sample:
-            token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(-1)
+            token = torch.multinomial(probs, num_samples=1).squeeze(-1)
         else:
             token = logits.argmax(dim=-1)
-        return logits, token
+        self._survival = self._survival * float(probs[0, token[0]])
+        return logits, token, self._survival < self.stop_threshold
 
     @torch.no_grad()
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
@@ -97,6 +103,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             [model_outputs.hidden_states[i + 1][:, :num_new] for i in self.drafter.config.target_layer_ids], dim=-1
         ).to(drafter_device)
         num_tokens = max(0, min(self.drafter.num_draft_tokens, self.max_length - input_ids.shape[1] - 1))
+        self._survival = 1.0
         draft_ids, draft_logits = self.drafter.propose(
             self.state,
             context_hidden_states=context,

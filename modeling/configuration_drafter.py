@@ -36,6 +36,10 @@ class DrafterConfig(Qwen3Config):
         Depth of the target the drafter was built for; used to validate `target_layer_ids`.
     target_model_type (`str`, *optional*):
         `model_type` of the target the drafter was built for (informative; shown in errors and model cards).
+    draft_stop_threshold (`float`, *optional*, defaults to 0.0):
+        `generate()` hook: stop drafting a round once the product of the drafter's probabilities of its chosen
+        tokens falls below this value (at least one token is always drafted). Fewer hopeless tokens means cheaper
+        drafting and verification; 0 drafts the whole block. Output is unaffected (the target still verifies).
     """
 
     model_type = "angelspec_drafter"
@@ -43,6 +47,7 @@ class DrafterConfig(Qwen3Config):
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
     target_model_type: str | None = None
+    draft_stop_threshold: float = 0.0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -51,6 +56,8 @@ class DrafterConfig(Qwen3Config):
         ids = list(self.target_layer_ids)
         if not ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        if not 0.0 <= self.draft_stop_threshold < 1.0:
+            raise ValueError(f"draft_stop_threshold must be in [0, 1), got {self.draft_stop_threshold}")
         if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids must be distinct non-negative layer indices, got {ids}")
         if self.num_target_layers is not None and max(ids) >= self.num_target_layers:

@@ -18,7 +18,7 @@ from conftest import FAMILIES, tiny_drafter
 
 
 def greedy_select(logits, prefix):
-    return logits.float(), logits.argmax(-1)
+    return logits.float(), logits.argmax(-1), False
 
 
 def propose(drafter, target, state, features, ids, num_tokens=None):

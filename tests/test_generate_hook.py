@@ -125,3 +125,26 @@ def test_hooked_transformers_signatures(target):
     validate = inspect.signature(GenerationMixin._validate_generation_mode.__wrapped__).parameters
     assert {"generation_config", "input_ids", "logits_processor", "assistant_model"} <= set(get)
     assert {"generation_config", "generation_mode_kwargs"} <= set(validate)
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_confidence_cut_drafts_fewer_tokens_and_stays_lossless(target, family):
+    """`draft_stop_threshold` ends a round's draft once the drafter's own probability of it is low: rounds get shorter
+    (a near-1 threshold drafts exactly one token per round), and the output is still the target's."""
+    drafter = tiny_drafter(family, target)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 99, (1, n), generator=generator) for n in (3, 9, 17)]
+    rounds = {}
+    for threshold in (0.0, 0.3, 0.999):
+        drafter.config.draft_stop_threshold = threshold
+        proposed = []
+        for ids in prompts:
+            plain = target.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+            spec = target.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0, assistant_model=drafter)
+            assert torch.equal(plain, spec)
+            proposed += drafter.last_speculation_stats.proposed
+        rounds[threshold] = proposed
+    drafter.config.draft_stop_threshold = 0.0
+    full = drafter.num_draft_tokens
+    assert max(rounds[0.0]) == full and set(rounds[0.999]) == {1}
+    assert sum(rounds[0.3]) / len(rounds[0.3]) < sum(rounds[0.0]) / len(rounds[0.0])

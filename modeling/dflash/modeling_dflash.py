@@ -151,15 +151,18 @@ class DFlashDrafter(DrafterPreTrainedModel):
 
     @staticmethod
     def select_sequentially(logits, select, prefix):
-        """Apply `select` position by position (logits processors see the drafted prefix, as the target's do)."""
+        """Apply `select` position by position (logits processors see the drafted prefix, as the target's do); stop
+        early when `select` says so."""
         if logits.shape[1] == 0:
             return logits.new_zeros(logits.shape[:2], dtype=torch.long), logits.float()
         chosen_logits, tokens = [], []
         for j in range(logits.shape[1]):
-            step_logits, token = select(logits[:, j], prefix)
+            step_logits, token, stop = select(logits[:, j], prefix)
             prefix = torch.cat([prefix, token[:, None]], dim=-1)
             chosen_logits.append(step_logits)
             tokens.append(token)
+            if stop:
+                break
         return torch.stack(tokens, dim=1), torch.stack(chosen_logits, dim=1)
 
     def new_draft_state(self) -> DraftState:

@@ -88,10 +88,12 @@ class DFlyDrafter(DFlashDrafter):
         previous, tokens, chosen_logits = anchor_ids, [], []
         for j in range(1, hidden.shape[1]):
             step = self.ar_logits(hidden[:, j], previous, embed_tokens, lm_head)  # [B, V]
-            step_logits, previous = select(step, prefix)
+            step_logits, previous, stop = select(step, prefix)
             prefix = torch.cat([prefix, previous[:, None]], dim=-1)
             tokens.append(previous)
             chosen_logits.append(step_logits)
+            if stop:  # the rest of the block is not even computed
+                break
         return torch.stack(tokens, dim=1), torch.stack(chosen_logits, dim=1)
 
 

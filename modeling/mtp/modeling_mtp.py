@@ -112,16 +112,19 @@ class MTPDrafter(DrafterPreTrainedModel):
         state.context_length += num_new
         hidden, prefix, tokens, chosen_logits = out.last_hidden_state[:, -1:], input_ids, [], []
         position = start + num_new - 1  # position of the last ingested pair
+        speculative = 0  # chained entries added to the cache this round
         for j in range(num_tokens):
-            step_logits, token = select(self.head(hidden[:, 0], lm_head), prefix)
+            step_logits, token, stop = select(self.head(hidden[:, 0], lm_head), prefix)
             prefix = torch.cat([prefix, token[:, None]], dim=-1)
             tokens.append(token)
             chosen_logits.append(step_logits)
+            if stop:
+                break
             if j + 1 < num_tokens:
+                speculative += 1
                 position += 1
                 pos = torch.full((input_ids.shape[0], 1), position, device=input_ids.device)
                 hidden = self(hidden, embed_tokens(token[:, None]).to(self.dtype), pos, cache=state.cache).last_hidden_state
-        speculative = max(num_tokens - 1, 0)
         if speculative:
             state.cache.crop(-speculative)  # keep only entries built from the target's own hidden states
         if not tokens:
