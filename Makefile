@@ -25,5 +25,11 @@ demo: $(STAMP)
 space: $(STAMP)
 	$(BIN)/angelspec demo   # the Gradio Space, locally: http://127.0.0.1:7860
 
-test: $(STAMP)
+# the browser test drives Debian's Chromium through Playwright (never `playwright install`: it downloads a browser)
+$(VENV)/.chromium: $(STAMP)
+	[ -x /usr/bin/chromium ] || { apt-get update -qq && apt-get install -y -qq chromium; } \
+		|| { echo "need Debian's chromium (/usr/bin/chromium): run as root or install it"; exit 1; }
+	touch $@
+
+test: $(STAMP) $(VENV)/.chromium
 	$(BIN)/python -m pytest -q
