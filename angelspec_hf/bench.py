@@ -98,10 +98,14 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
 
 
 def summarise(records: list[dict]) -> list[dict]:
-    """Per (set, temperature, method): τ, tokens/s and speed-up over AR from totals of the same prompts."""
+    """Per (set, temperature, method): τ, tokens/s and speed-up over AR from totals of the same prompts; with several
+    sets, also "all" (every prompt: a mixed workload, where per-request routing should beat either drafter alone)."""
     groups = defaultdict(list)
+    several = len({r["set"] for r in records}) > 1
     for r in records:
         groups[(r["set"], r["temperature"], r["method"])].append(r)
+        if several:
+            groups[("all", r["temperature"], r["method"])].append(r)
     rows = []
     for (set_name, temperature, method), rs in groups.items():
         ar = groups[(set_name, temperature, "ar")]

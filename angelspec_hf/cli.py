@@ -152,18 +152,46 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write a DFlash drafter in z-lab's Hub layout and check that it loads back unchanged."""
+    import torch
+
+    import angelspec_hf
+    from angelspec_hf.modeling.converters import export_zlab_dflash
+    from angelspec_hf.shipped import shipped_drafter_path
+
+    source = str(shipped_drafter_path("dflash") or "") if args.drafter == "dflash" else args.drafter
+    if not source:
+        print("no shipped DFlash drafter: pass a folder or Hub id")
+        return 1
+    drafter = angelspec_hf.load_drafter(source)
+    folder = export_zlab_dflash(drafter, args.out)
+    back = angelspec_hf.load_drafter(str(folder), dtype=drafter.dtype)
+    same = type(back) is type(drafter) and all(
+        torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), back.state_dict().values()))
+    same = same and all(getattr(back.config, k) == getattr(drafter.config, k)
+                        for k in ("block_size", "mask_token_id", "target_layer_ids", "num_hidden_layers"))
+    print(f"wrote {folder} (z-lab DFlash layout); loads back unchanged: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="angelspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="speculative generation vs plain generate, side by side")
     gen.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", default="dfly", help="mtp | dflash | dfly (the shipped drafter; untrained where none ships) or a folder/id")
+    gen.add_argument("--drafter", default="dfly",
+                     help="mtp | dflash | dfly (the shipped drafter; untrained where none ships) or a folder/id")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--repeats", type=int, default=3)
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
+    exp = sub.add_parser("export", help="a DFlash drafter in z-lab's Hub layout (served by vLLM and SGLang)")
+    exp.add_argument("drafter", nargs="?", default="dflash", help="folder or Hub id (default: the shipped DFlash)")
+    exp.add_argument("--out", required=True, help="output folder")
+    exp.set_defaults(func=cmd_export)
     reg = sub.add_parser("regenerate", help="the target's own responses to TRAIN prompts (resumable jsonl)")
     reg.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     reg.add_argument("--sets", default="code_alpaca,gsm8k,gpteacher_codegen,sharegpt,alpaca")

@@ -120,3 +120,12 @@ def test_export_to_zlab_layout_loads_back(tmp_path, target):
     assert _same_drafts(drafter, loaded, target)
     with pytest.raises(ValueError, match="only DFlashDrafter"):
         export_zlab_dflash(tiny_drafter("dfly", target), tmp_path / "x")
+
+
+def test_export_command_round_trip(tmp_path, target):
+    """`angelspec export SRC --out DEST` writes z-lab's layout and checks that it loads back unchanged."""
+    from angelspec_hf.cli import main
+
+    tiny_drafter("dflash", target).save_pretrained(tmp_path / "ours")
+    assert main(["export", str(tmp_path / "ours"), "--out", str(tmp_path / "zlab")]) == 0
+    assert json.loads((tmp_path / "zlab" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
