@@ -2,8 +2,8 @@
 
 For each concurrency C, C clients each keep one request in flight (a new prompt as soon as the previous one ends) until
 `requests_per_client × C` requests are done; methods run one after another on the same prompts: plain batched
-decoding, fixed-depth drafting (the drafter's whole block, verify="full") and D-Cut (verify="auto", the cost model
-profiled on this machine) for each drafter. Reported per method and concurrency: throughput, per-request latency (p50 /
+decoding, fixed-depth drafting (every request verifies the same number of draft tokens; DFly at depths 1, 3 and 7
+by default) and D-Cut (verify="auto", the cost model profiled on this machine) for each drafter. Reported per method and concurrency: throughput, per-request latency (p50 /
 p99), τ, verified draft tokens per step, and the speed-up over plain decoding; greedy outputs must equal plain
 decoding's for every request (a mismatch fails the command).
 """
@@ -65,12 +65,15 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
 
 
 def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], concurrencies, requests_per_client=2,
-                          max_new_tokens=64, modes=("full", "auto"), cost_model_cache=None) -> list[dict]:
-    """drafters: {name: drafter}. Returns one record per (concurrency, method)."""
+                          max_new_tokens=64, fixed_depths=(1, 3, 7), fixed_for=("dfly",),
+                          cost_model_cache=None) -> list[dict]:
+    """drafters: {name: drafter}. Every drafter runs with D-Cut; those in `fixed_for` also at each fixed depth.
+    Returns one record per (concurrency, method)."""
     max_batch = max(concurrencies)
     engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max_batch)}
     for name, drafter in drafters.items():
-        for mode in modes:
+        modes = [f"depth:{d}" for d in fixed_depths if d <= drafter.num_draft_tokens] if name in fixed_for else []
+        for mode in modes + ["auto"]:
             label = f"{name}-dcut" if mode == "auto" else f"{name}-{mode}"
             engines[label] = SpeculativeEngine(target, drafter, verify=mode, max_batch_size=max_batch,
                                                cost_model_cache=cost_model_cache)
@@ -148,8 +151,9 @@ def concurrency_main(args, target, tokenizer, drafters: dict, untrained: list, p
                + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else 'trained'} (draft {d.num_draft_tokens})"
                            for f, d in chosen.items())
                + f"; {platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}")
+    depths = [int(d) for d in args.fixed_depths.split(",") if d]
     records = run_concurrency_bench(target, chosen, prompts, concurrencies, args.requests_per_client,
-                                    args.max_new_tokens)
+                                    args.max_new_tokens, depths)
     paths = write_concurrency_outputs(records, args.out, setting)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -28,3 +28,26 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     for name in ("results.md", "speedup_T0.png", "speedup_T1.png", "acceptance_by_position.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     assert "| mine | 0 | dfly | 2 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
+    """The closed-loop batched benchmark: plain, fixed depths and D-Cut per concurrency, with greedy identity against
+    plain decoding, a markdown table, JSON and a plot."""
+    from angelspec_hf.bench_batch import run_concurrency_bench, write_concurrency_outputs
+    from angelspec_hf.tgi_patch.dcut import CostModel
+    from conftest import tiny_drafter, tiny_target
+
+    target = tiny_target()
+    drafters = {"dfly": tiny_drafter("dfly", target), "mtp": tiny_drafter("mtp", target)}
+    prompts = [[5, 6, 7], [9] * 12, [4, 3, 8, 8]]
+    cache = tmp_path / "cost"
+    records = run_concurrency_bench(target, drafters, prompts, [1, 3], requests_per_client=2, max_new_tokens=6,
+                                    fixed_depths=(1, 3), cost_model_cache=cache)
+    methods = ["plain", "dfly-depth:1", "dfly-depth:3", "dfly-dcut", "mtp-dcut"]
+    assert [r["method"] for r in records] == methods * 2
+    assert all(r["identical"] and r["tokens"] == r["requests"] * 6 for r in records)
+    assert all(r["speedup"] == 1.0 for r in records if r["method"] == "plain")
+    paths = write_concurrency_outputs(records, tmp_path / "out", "test")
+    assert "| 3 | dfly-dcut |" in paths["markdown"].read_text() and paths["plot"].stat().st_size > 0
+    assert json.loads(paths["json"].read_text())["records"][0]["method"] == "plain"
+    assert isinstance(CostModel.from_dict(json.loads(next(cache.glob("*.json")).read_text())), CostModel)
