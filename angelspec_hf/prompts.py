@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 from pathlib import Path
 
 EVAL_SETS = ("mt_bench", "humaneval", "gsm8k")
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 def data_dir() -> Path:
@@ -24,8 +27,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def load_eval_prompts(name: str, limit: int | None = None) -> list[str]:
-    """First-turn user prompts of an EVAL set: `mt_bench`, `humaneval` (the function stub, as a completion request)
-    or `gsm8k` (test questions)."""
+    """First-turn user prompts of an EVAL set: `mt_bench`, `humaneval` (the function stub, as a completion request),
+    `gsm8k` (test questions), `spec_bench` (round robin over its categories) or one Spec-Bench category
+    (`spec_bench:translation`, see `SPEC_BENCH_CATEGORIES`)."""
     root = data_dir()
     if name == "mt_bench":
         prompts = [row["turns"][0] for row in _jsonl(root / "mt_bench" / "question.jsonl")]
@@ -36,8 +40,18 @@ def load_eval_prompts(name: str, limit: int | None = None) -> list[str]:
         ]
     elif name == "gsm8k":
         prompts = [row["question"] for row in _jsonl(root / "gsm8k" / "test.jsonl")]
+    elif name == "spec_bench" or name.startswith("spec_bench:"):
+        rows = _jsonl(root / "spec_bench" / "question.jsonl")
+        by_category = {c: [r["turns"][0] for r in rows if r["category"] == c] for c in SPEC_BENCH_CATEGORIES}
+        if name == "spec_bench":
+            prompts = [p for group in itertools.zip_longest(*by_category.values()) for p in group if p is not None]
+        elif name[len("spec_bench:"):] in by_category:
+            prompts = by_category[name[len("spec_bench:"):]]
+        else:
+            raise ValueError(f"unknown Spec-Bench category in {name!r}; choose one of {SPEC_BENCH_CATEGORIES}")
     else:
-        raise ValueError(f"unknown eval set {name!r}; choose one of {EVAL_SETS}")
+        raise ValueError(f"unknown eval set {name!r}; choose one of {EVAL_SETS}, spec_bench or "
+                         f"spec_bench:<category>")
     return prompts[:limit]
 
 

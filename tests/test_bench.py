@@ -3,6 +3,7 @@ are identical to AR's, and AR's τ is exactly 1."""
 
 import json
 
+import pytest
 import torch
 
 from angelspec_hf.cli import main
@@ -51,3 +52,14 @@ def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
     assert "| 3 | dfly-dcut |" in paths["markdown"].read_text() and paths["plot"].stat().st_size > 0
     assert json.loads(paths["json"].read_text())["records"][0]["method"] == "plain"
     assert isinstance(CostModel.from_dict(json.loads(next(cache.glob("*.json")).read_text())), CostModel)
+
+
+def test_spec_bench_sets():
+    from angelspec_hf.prompts import SPEC_BENCH_CATEGORIES, load_eval_prompts
+
+    mixed = load_eval_prompts("spec_bench", 13)
+    assert len(set(mixed)) == 13  # one per category, round robin
+    assert [len(load_eval_prompts(f"spec_bench:{c}")) for c in ("coding", "translation")] == [5, 40]
+    assert all(load_eval_prompts(f"spec_bench:{c}", 1) for c in SPEC_BENCH_CATEGORIES)
+    with pytest.raises(ValueError, match="category"):
+        load_eval_prompts("spec_bench:poetry")
