@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-800}
-CHAT_STEPS=${2:-600}
+CHAT_STEPS=${2:-200}
 OUT=${3:-outputs/release}
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 1e-3 --warmup_steps 50 --lr_scheduler_type cosine

@@ -3,7 +3,7 @@ prompts — prompts of the drafter's own domain that are *not* in data/regenerat
 their answers), and never EVAL prompts. Plain and speculative generate run interleaved per prompt; the threshold with
 the best total speed-up is written into drafters/<name>/config.json.
 
-    python scripts/tune_stop_threshold.py [--prompts 4] [--max-new-tokens 64] [--threads 2] [--dry-run]
+    python scripts/tune_stop_threshold.py [--families dfly,dflash,mtp] [--prompts 4] [--max-new-tokens 64] [--threads 2] [--dry-run]
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--families", default="dfly,dflash,mtp")
     parser.add_argument("--dry-run", action="store_true", help="report only; do not write the configs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = angelspec_hf.load_default_target()
-    for family, sets in DOMAIN_SETS.items():
+    for family in args.families.split(","):
+        sets = DOMAIN_SETS[family]
         path = shipped_drafter_path(family)
         if path is None:
             print(f"{family}: no shipped drafter")

@@ -65,3 +65,25 @@ def test_batched_engine_is_lossless_on_real_prompts(real, family, verify):
                              verify=verify, max_batch_size=4)
     for ids, ref, out in zip(inputs, plain, outputs):
         assert out == ref[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family,prompt_index", [("dfly", 4), ("dflash", 7), ("mtp", 0)])
+def test_shipped_drafters(real, family, prompt_index):
+    """The drafters in drafters/ load (fp16 on disk, the target's dtype in use), fit the target, keep greedy output
+    identical, and — unlike an untrained drafter — really get drafts accepted on a prompt of their domain."""
+    from safetensors import safe_open
+
+    from angelspec_hf.shipped import shipped_drafter_path, shipped_or_untrained
+
+    target, _, inputs, plain = real
+    path = shipped_drafter_path(family)
+    assert path is not None, f"no shipped {family} drafter in drafters/"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    assert "τ" in (path / "README.md").read_text()  # the model card states measured acceptance
+    drafter, trained = shipped_or_untrained(family, target)
+    assert trained and drafter.dtype == target.dtype
+    ids = inputs[prompt_index]
+    out = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, plain[prompt_index])
+    assert sum(drafter.last_speculation_stats.accepted) > 0

@@ -1,0 +1,172 @@
+"""The seam between a stock `target.generate(assistant_model=drafter)` and an AngelSpec drafter.
+
+transformers' assisted generation asks `GenerationMixin._get_candidate_generator` for a `CandidateGenerator`; its
+built-in choices are either a full causal-LM assistant (which never sees the target's hidden states) or the DFlash
+path (`speculation_type="dflash"`, whose drafter output must go straight into the target's LM head, which rules out
+DFly's autoregressive head and MTP's step-by-step drafting). So the drafter brings its own generator:
+`AngelSpecCandidateGenerator` uses transformers' public candidate-generator contract (`requires_model_outputs`,
+`model_kwargs_overrides` asking the target for exactly the hidden states the drafter reads), and the target still
+verifies with transformers' own code (greedy match, or `_speculative_sampling` with the draft logits we return).
+
+The one private piece is the routing: `install_generate_hook()` wraps `_get_candidate_generator` (and the mode
+validation that runs before it) so that an AngelSpec drafter passed as `assistant_model` gets its generator, and every
+other assistant falls through unchanged. It is installed the first time a drafter is constructed, not on import. The
+wrapped signatures are checked by `tests/test_generate_hook.py` for the pinned transformers range.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+
+BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, budget=...)"
+
+
+@dataclass
+class SpeculationStats:
+    """What one `generate()` call did: per verification round, how many draft tokens were proposed and accepted."""
+
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens gained per target forward, the bonus/correction token included."""
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else float("nan")
+
+
+class AngelSpecCandidateGenerator(CandidateGenerator):
+    """Feeds the target's hidden states to an AngelSpec drafter and returns its draft (and draft logits).
+
+    The drafter keeps its own state (`drafter.new_draft_state()`): a KV cache over the accepted context and the number
+    of context positions it has ingested. Each call ingests the target features of the tokens accepted since the last
+    call, then drafts up to `drafter.num_draft_tokens` tokens after the last token of `input_ids` (the anchor).
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter, target, input_ids, generation_config, logits_processor=None):
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"target.generate(assistant_model=...) drafts for one sequence at a time (transformers' assisted "
+                f"generation is batch-1 only), got batch size {input_ids.shape[0]}. For batches use the batched "
+                f"engine: {BATCHED_API}."
+            )
+        drafter.check_target(target)
+        self.drafter = drafter
+        self.target_embeddings = target.get_input_embeddings()
+        self.target_lm_head = target.get_output_embeddings()
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.stop_threshold = float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
+        self._survival = 1.0
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
+        self.state = drafter.new_draft_state()
+        self.stats = SpeculationStats()
+        drafter.last_speculation_stats = self.stats
+
+    def _select(self, logits: torch.Tensor, prefix: torch.LongTensor):
+        """Process one position's draft logits like the target's (same processors), then pick: argmax or a sample.
+        Returns `(logits, token, stop)`: `stop` once the drafter's own probability of its draft so far falls below
+        `config.draft_stop_threshold`."""
+        logits = logits.float()
+        if self.logits_processor is not None and len(self.logits_processor) > 0:
+            logits = self.logits_processor(prefix, logits)
+        probs = torch.softmax(logits, dim=-1)
+        if self.do_sample:
+            token = torch.multinomial(probs, num_samples=1).squeeze(-1)
+        else:
+            token = logits.argmax(dim=-1)
+        self._survival = self._survival * float(probs[0, token[0]])
+        return logits, token, self._survival < self.stop_threshold
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        if is_first_iteration:  # the first target pass is the prefill: nothing to draft from yet
+            return input_ids, None
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("AngelSpec drafting needs the target's hidden states from the previous forward")
+        drafter_device = self.drafter.device
+        # Tokens whose target features are new: everything accepted since the last call, the anchor excluded.
+        num_new = input_ids.shape[1] - 1 - self.state.context_length
+        context = torch.cat(
+            [model_outputs.hidden_states[i + 1][:, :num_new] for i in self.drafter.config.target_layer_ids], dim=-1
+        ).to(drafter_device)
+        num_tokens = max(0, min(self.drafter.num_draft_tokens, self.max_length - input_ids.shape[1] - 1))
+        self._survival = 1.0
+        draft_ids, draft_logits = self.drafter.propose(
+            self.state,
+            context_hidden_states=context,
+            input_ids=input_ids.to(drafter_device),
+            num_tokens=num_tokens,
+            embed_tokens=self.target_embeddings,
+            lm_head=self.target_lm_head,
+            select=self._select,
+        )
+        if num_tokens == 0:
+            return input_ids, None
+        self.stats.proposed.append(draft_ids.shape[1])
+        candidates = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
+        return candidates, draft_logits.to(input_ids.device)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if len(self.stats.accepted) < len(self.stats.proposed):
+            self.stats.accepted.append(int(num_matches))
+
+
+def _is_angelspec_drafter(model) -> bool:
+    return model is not None and callable(getattr(model, "get_candidate_generator", None))
+
+
+def install_generate_hook() -> None:
+    """Route `assistant_model=<AngelSpec drafter>` to the drafter's own candidate generator (idempotent)."""
+    if getattr(GenerationMixin, "_angelspec_hook_installed", False):
+        return
+    original_get = GenerationMixin._get_candidate_generator
+    original_validate = GenerationMixin._validate_generation_mode
+    get_signature = inspect.signature(original_get)
+    validate_signature = inspect.signature(original_validate)
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, *args, **kwargs):
+        bound = validate_signature.bind(self, *args, **kwargs)
+        mode_kwargs = bound.arguments.get("generation_mode_kwargs") or {}
+        drafter = mode_kwargs.get("assistant_model")
+        if _is_angelspec_drafter(drafter):
+            # Our errors first: they name both values, where transformers' would speak of tokenizers.
+            drafter.check_target(self)
+            generation_config = bound.arguments["generation_config"]
+            if generation_config.speculation_type == "dflash" and not drafter.supports_transformers_dflash:
+                raise ValueError(
+                    f"speculation_type='dflash' runs transformers' built-in DFlash drafting, which "
+                    f"{type(drafter).__name__} does not fit; drop speculation_type to use its own generator."
+                )
+        return original_validate(*bound.args, **bound.kwargs)
+
+    @functools.wraps(original_get)
+    def _get_candidate_generator(self, *args, **kwargs):
+        bound = get_signature.bind(self, *args, **kwargs)
+        drafter = bound.arguments.get("assistant_model")
+        generation_config = bound.arguments["generation_config"]
+        if _is_angelspec_drafter(drafter) and generation_config.speculation_type != "dflash":
+            return drafter.get_candidate_generator(
+                target=self,
+                input_ids=bound.arguments["input_ids"],
+                generation_config=generation_config,
+                logits_processor=bound.arguments.get("logits_processor"),
+            )
+        return original_get(*bound.args, **bound.kwargs)
+
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._angelspec_hook_installed = True

@@ -1,0 +1,100 @@
+"""DFly drafter: DFlash's parallel block backbone, plus
+
+1. hybrid target conditioning: each draft layer's key/value context is the shared projection `fc(features)` plus its
+   own learned softmax mixture of the raw target layers, normalised (`layer_fusion_weights`, one row per layer);
+2. a predecessor-conditioned autoregressive head: block position j's hidden state is corrected by a gated MLP of
+   itself and the embedding of the token chosen at position j - 1, before the target's LM head. The backbone still
+   runs once per block; only this small head runs left to right. Its output projection starts at zero, so an
+   untrained head leaves DFlash's logits unchanged.
+
+Weight names map one-to-one onto Tencent AngelSpec's DFly checkpoints (`modeling/converters.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from .modeling_dflash import DFlashDrafter
+from .configuration_dfly import DFlyConfig
+
+
+class DFlyARHead(nn.Module):
+    """`h + down(act(gate(z)) * up(z))` with `z = [norm(h); norm(embed(previous token))]`."""
+
+    def __init__(self, config: DFlyConfig):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.ar_head_intermediate_size
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.embed_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.gate_proj = nn.Linear(2 * hidden, inner, bias=False)
+        self.up_proj = nn.Linear(2 * hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.down_proj._zero_init = True
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
+        # hidden, previous_embeds: [..., H] (any leading shape: one position at inference, a block in training)
+        z = torch.cat([self.hidden_norm(hidden), self.embed_norm(previous_embeds)], dim=-1)
+        return hidden + self.down_proj(self.act_fn(self.gate_proj(z)) * self.up_proj(z))
+
+
+class DFlyDrafter(DFlashDrafter):
+    config_class = DFlyConfig
+    config: DFlyConfig
+    supports_transformers_dflash = False  # the AR head sits between the backbone and the LM head
+
+    def _build_extra_modules(self, config: DFlyConfig) -> None:
+        num_layers, num_features = config.num_hidden_layers, len(config.target_layer_ids)
+        self.layer_fusion_weights = nn.Parameter(torch.zeros(num_layers, num_features))
+        self.ar_head = DFlyARHead(config) if config.use_ar_head else None
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DFlyDrafter):
+            from transformers import initialization as init
+
+            init.zeros_(module.layer_fusion_weights)  # softmax(0) = an even mixture of the target layers
+
+    def layer_contexts(self, context_hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        shared = self.fc(context_hidden_states)  # [B, N, H]
+        per_layer = context_hidden_states.unflatten(-1, (len(self.config.target_layer_ids), -1))  # [B, N, T, H]
+        mix = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(per_layer.dtype)  # [L, T]
+        fused = torch.einsum("bnth,lt->lbnh", per_layer, mix)
+        return [self.hidden_norm(shared + fused[i]) for i in range(len(self.layers))]
+
+    def bind_embeddings(self, embed_tokens: nn.Module) -> None:
+        """Training: give the AR head the target's (frozen) embedding table; it is not stored in the drafter."""
+        self._embed_tokens = [embed_tokens]  # a list, so it is not registered as a submodule
+
+    def correct_rows(self, hidden: torch.Tensor, previous_ids: torch.LongTensor | None) -> torch.Tensor:
+        if previous_ids is None or self.ar_head is None:
+            return hidden
+        if not getattr(self, "_embed_tokens", None):
+            raise ValueError("teacher-forced AR head needs the target's embedding: call drafter.bind_embeddings(...)")
+        return self.ar_head(hidden, self._embed_tokens[0](previous_ids).to(hidden.dtype))
+
+    def ar_logits(self, hidden: torch.Tensor, previous_ids: torch.LongTensor, embed_tokens, lm_head) -> torch.Tensor:
+        """Logits `[B, K, V]` for block rows with hidden `[B, K, H]` and predecessors `[B, K]`."""
+        if self.ar_head is not None:
+            hidden = self.ar_head(hidden, embed_tokens(previous_ids).to(hidden.dtype))
+        return lm_head(hidden.to(lm_head.weight.dtype))
+
+    def block_logits(self, hidden, anchor_ids, embed_tokens, lm_head, select, prefix):
+        if self.ar_head is None or hidden.shape[1] < 2:
+            return super().block_logits(hidden, anchor_ids, embed_tokens, lm_head, select, prefix)
+        previous, tokens, chosen_logits = anchor_ids, [], []
+        for j in range(1, hidden.shape[1]):
+            step = self.ar_logits(hidden[:, j], previous, embed_tokens, lm_head)  # [B, V]
+            step_logits, previous, stop = select(step, prefix)
+            prefix = torch.cat([prefix, previous[:, None]], dim=-1)
+            tokens.append(previous)
+            chosen_logits.append(step_logits)
+            if stop:  # the rest of the block is not even computed
+                break
+        return torch.stack(tokens, dim=1), torch.stack(chosen_logits, dim=1)
+
+
+__all__ = ["DFlyDrafter", "DFlyARHead"]

@@ -1,0 +1,180 @@
+"""What every AngelSpec drafter shares: outputs, drafting state, target checks, code export and foreign loading."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
+
+from .candidate_generator import AngelSpecCandidateGenerator, install_generate_hook
+
+
+@dataclass
+class DrafterOutput(ModelOutput):
+    r"""
+    last_hidden_state (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
+        Drafter output after its final norm, ready for the target's LM head.
+    logits (`torch.FloatTensor` of shape `(batch_size, sequence_length, vocab_size)`, *optional*):
+        Draft logits, when the drafter was given the target's LM head.
+    cache (`transformers.Cache`, *optional*):
+        The drafter's KV cache.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: object | None = None
+
+
+@dataclass
+class DraftState:
+    """A drafter's per-sequence state in a `generate()` call: its KV cache over the accepted context."""
+
+    cache: object
+    context_length: int = 0  # context positions whose target features are in `cache`
+
+
+def padding_to_additive_mask(attention_mask, query_length: int, dtype: torch.dtype):
+    """A 2-D keep-mask `[B, kv]` → additive `[B, 1, q, kv]` (None when nothing is masked); 4-D passes through."""
+    if attention_mask is None or attention_mask.dim() == 4:
+        return attention_mask
+    if bool(attention_mask.all()):
+        return None
+    keep = attention_mask[:, None, None, :].bool().expand(-1, 1, query_length, -1)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def causal_additive_mask(query_length: int, past_length: int, dtype, device) -> torch.Tensor:
+    """`[1, 1, q, past + q]` additive mask: query i sees every cached key and new keys 0..i."""
+    kv = past_length + query_length
+    allowed = torch.arange(kv, device=device)[None, :] <= (past_length + torch.arange(query_length, device=device))[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class DrafterPreTrainedModel(Qwen3PreTrainedModel):
+    """Base of the drafters. Subclasses implement `propose` (drafting) and `num_draft_tokens`."""
+
+    base_model_prefix = "drafter"
+    main_input_name = "context_hidden_states"
+    supports_transformers_dflash = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        install_generate_hook()
+        self.last_speculation_stats = None
+
+    # ---- building ------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, **overrides):
+        """A freshly initialised drafter whose config fits `target` (a model or its config); `overrides` win."""
+        return cls(cls.config_class.from_target(target, **overrides))
+
+    def check_target(self, target) -> None:
+        """Raise a `ValueError` naming both values when this drafter cannot read/serve `target`."""
+        tc = (target.config if hasattr(target, "config") else target).get_text_config()
+        c = self.config
+        if tc.vocab_size != c.vocab_size:
+            raise ValueError(f"drafter vocab_size {c.vocab_size} does not match the target's vocab_size {tc.vocab_size}")
+        if tc.hidden_size != c.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size {c.hidden_size} does not match the target's hidden_size {tc.hidden_size} "
+                f"(the drafter reads the target's hidden states and shares its embedding and LM head)"
+            )
+        if max(c.target_layer_ids) >= tc.num_hidden_layers:
+            raise ValueError(
+                f"drafter target_layer_ids {list(c.target_layer_ids)} reach layer {max(c.target_layer_ids)}, "
+                f"but the target has only {tc.num_hidden_layers} layers"
+            )
+        mask_id = getattr(c, "mask_token_id", None)
+        if mask_id is not None and mask_id >= tc.vocab_size:
+            raise ValueError(f"drafter mask_token_id {mask_id} is outside the target's vocabulary ({tc.vocab_size})")
+
+    def get_candidate_generator(self, target, input_ids, generation_config, logits_processor=None):
+        return AngelSpecCandidateGenerator(self, target, input_ids, generation_config, logits_processor)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        raise NotImplementedError
+
+    def new_draft_state(self) -> DraftState:
+        raise NotImplementedError
+
+    def propose(self, state, context_hidden_states, input_ids, num_tokens, embed_tokens, lm_head, select):
+        raise NotImplementedError
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if getattr(module, "_zero_init", False):
+            from transformers import initialization as init
+
+            init.zeros_(module.weight)
+
+    # ---- saving and loading --------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained` (safetensors) plus the modeling code and `auto_map`, so the folder loads
+        with `trust_remote_code=True` where this library is not installed."""
+        self.config.auto_map = {
+            "AutoConfig": f"{type(self.config).__module__.rsplit('.', 1)[-1]}.{type(self.config).__name__}",
+            "AutoModel": f"{type(self).__module__.rsplit('.', 1)[-1]}.{type(self).__name__}",
+        }
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            export_code(type(self), save_directory)
+            export_code(type(self.config), save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Native checkpoints load as usual; foreign formats (z-lab DFlash, AngelSpec DFly) are converted, keyed on
+        their `config.json` (see `modeling/converters.py`)."""
+        from .converters import load_foreign_checkpoint
+
+        model = load_foreign_checkpoint(cls, pretrained_model_name_or_path, **kwargs)
+        if model is not None:
+            return model
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+_RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)(\.+)([\w.]*)(\s+import)", flags=re.MULTILINE)
+
+
+def export_code(obj_class, folder) -> list[Path]:
+    """Copy the module defining `obj_class` and every module it imports relatively, flattened into `folder`.
+
+    transformers' own `custom_object_save` only follows same-folder imports; our drafters import shared pieces from
+    the parent package, so the files are flattened and `from ..a.b import x` is rewritten as `from .b import x`.
+    """
+    written, pending, seen = [], [obj_class.__module__], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = importlib.import_module(name)
+        source = Path(module.__file__).read_text(encoding="utf-8")
+        for _, dots, rest, _ in _RELATIVE_IMPORT.findall(source):
+            if not rest:
+                raise ValueError(f"{module.__file__}: use `from .module import x`, not `from . import x`")
+            pending.append(importlib.util.resolve_name(dots + rest, module.__package__))
+        flat = _RELATIVE_IMPORT.sub(lambda m: f"{m.group(1)}.{m.group(3).split('.')[-1]}{m.group(4)}", source)
+        dest = Path(folder) / Path(module.__file__).name
+        if dest in written:
+            raise ValueError(f"two modules named {dest.name} cannot be flattened into one folder")
+        dest.write_text(flat, encoding="utf-8")
+        written.append(dest)
+    return written
+
+
+def read_config_dict(path_or_repo, **hub_kwargs) -> dict:
+    """`config.json` of a local folder or a Hub id (resolved through the HF cache, so `HF_HUB_OFFLINE=1` works)."""
+    if os.path.isdir(path_or_repo):
+        return json.loads((Path(path_or_repo) / "config.json").read_text())
+    from transformers.utils import cached_file
+
+    return json.loads(Path(cached_file(path_or_repo, "config.json", **hub_kwargs)).read_text())
