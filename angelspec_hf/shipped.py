@@ -17,13 +17,19 @@ def shipped_drafter_path(family: str) -> Path | None:
 
 
 def shipped_or_untrained(family: str, target, dtype=None):
-    """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype, or a fresh untrained one."""
+    """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype, or a fresh untrained one when
+    none ships or the shipped one was not made for `target` (they are the embedded SmolLM2-135M-Instruct's)."""
     import angelspec_hf
     from angelspec_hf.modeling import DRAFTERS
 
     path = shipped_drafter_path(family)
-    if path is None:
-        return DRAFTERS[family][1].from_target(target).eval(), False
-    drafter = angelspec_hf.load_drafter(str(path)).to(dtype or target.dtype).eval()
-    drafter.check_target(target)
-    return drafter, True
+    if path is not None:
+        drafter = angelspec_hf.load_drafter(str(path)).to(dtype or target.dtype).eval()
+        depth = target.config.get_text_config().num_hidden_layers
+        try:
+            drafter.check_target(target)
+            if drafter.config.num_target_layers in (None, depth):
+                return drafter, True
+        except ValueError:
+            pass
+    return DRAFTERS[family][1].from_target(target).eval(), False
