@@ -245,6 +245,8 @@ class SpeculativeEngine:
         draft_now = self.batch_drafter is not None and n_dec > 0 and self._should_draft()
         if draft_now:
             k = self.batch_drafter.num_draft_tokens
+            if self.mode == "depth":  # a fixed depth never verifies more: do not draft more
+                k = min(k, self.mode_value)
             d_tokens, d_probs, d_conf = self._draft(slots[n_pre:], requests[n_pre:], k)
             k = d_tokens.shape[1]
             draft = torch.cat([d_tokens.new_zeros(n_pre, k), d_tokens])
