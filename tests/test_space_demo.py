@@ -113,6 +113,7 @@ def test_trained_drafters_keep_their_block_and_mtp_is_capped(space, tmp_path, mo
     MTPDrafter.from_target(target, num_draft_tokens=4).save_pretrained(tmp_path / "smollm2-135m-instruct-mtp")
     DFlyDrafter.from_target(target, block_size=6).save_pretrained(tmp_path / "smollm2-135m-instruct-dfly")
     monkeypatch.setattr(app, "SPACE_DRAFTERS", tmp_path)
+    monkeypatch.setattr(app, "shipped_drafter_path", lambda family: None)  # only the stand-ins count here
     models = DemoModels(target, tokenizer, warmup=False)
     models.wait()
     assert models.trained == {"dfly": True, "dflash": False, "mtp": True}

@@ -75,7 +75,7 @@ def teacher(tokens):
     it = iter(tokens)
 
     def select(logits, prefix):
-        return logits.float(), torch.tensor([next(it)])
+        return logits.float(), torch.tensor([next(it)]), False
 
     return select
 
