@@ -94,15 +94,22 @@ def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _block_weights(p_ptr, q_ptr, offs, V, USE_Q: tl.constexpr):
+    """One block of the sampling weights: p, or max(p - q, 0) when USE_Q."""
+    w = tl.load(p_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
+    if USE_Q:
+        w = tl.maximum(w - tl.load(q_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), 0.0)
+    return w
+
+
+@triton.jit
 def _sample_row(p_ptr, q_ptr, u, V, USE_Q: tl.constexpr, BLOCK_V: tl.constexpr):
     """Inverse-CDF draw from p (or from max(p - q, 0) when USE_Q): the first index whose cumulative mass exceeds u ×
     total, as `torch.searchsorted(cdf, u * total, right=True)`."""
     total = 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        w = tl.load(p_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
-        if USE_Q:
-            w = tl.maximum(w - tl.load(q_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), 0.0)
+        w = _block_weights(p_ptr, q_ptr, offs, V, USE_Q)
         total += tl.sum(w, axis=0)
     goal = u * total
     running = 0.0
@@ -110,9 +117,7 @@ def _sample_row(p_ptr, q_ptr, u, V, USE_Q: tl.constexpr, BLOCK_V: tl.constexpr):
     searching = 1
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        w = tl.load(p_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
-        if USE_Q:
-            w = tl.maximum(w - tl.load(q_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), 0.0)
+        w = _block_weights(p_ptr, q_ptr, offs, V, USE_Q)
         cdf = running + tl.cumsum(w, axis=0)
         hit = (cdf > goal) & (offs < V)
         first = tl.min(tl.where(hit, offs, V), axis=0)
