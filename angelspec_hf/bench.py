@@ -20,8 +20,12 @@ import torch
 
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
-METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly", "router")
-DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly", "router": "router"}
+METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "dflash", "dflash_full", "dfly", "dfly_full",
+           "router")
+# `<family>`: the drafter with its cost-aware draft length (`draft_length="auto"`); `<family>_full`: whole blocks
+DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly", "router": "router",
+              "mtp_full": "mtp", "dflash_full": "dflash", "dfly_full": "dfly"}
+HOOK_METHODS = ("mtp", "mtp_full", "dflash", "dflash_full", "dfly", "dfly_full", "router")
 
 
 class ForwardCounter:
@@ -38,12 +42,42 @@ class ForwardCounter:
         self._handle.remove()
 
 
+def drafter_of(method: str) -> str:
+    """The drafter a method uses: its family, or (an extra `--drafters label=path` entry) the label itself."""
+    return DRAFTER_OF.get(method, method)
+
+
+def method_order(method: str) -> tuple:
+    return (METHODS.index(method), "") if method in METHODS else (len(METHODS), method)
+
+
+class ForwardTimer:
+    """Seconds spent inside the target's forward passes (verification, or the plain step)."""
+
+    def __init__(self, model):
+        self.seconds, self._start = 0.0, None
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, *args):
+        self._start = time.perf_counter()
+
+    def _post(self, *args):
+        self.seconds += time.perf_counter() - self._start
+
+    def close(self):
+        for handle in self._handles:
+            handle.remove()
+
+
 def method_kwargs(method: str, drafters: dict) -> dict:
     if method == "ar":
         return {}
     if method == "prompt_lookup":
         return {"prompt_lookup_num_tokens": 10}
-    kwargs = {"assistant_model": drafters[DRAFTER_OF[method]]}
+    drafter = drafters[drafter_of(method)]
+    if method not in ("router", "dflash_builtin") and hasattr(drafter, "config"):
+        drafter.config.draft_length = "full" if method.endswith("_full") else "auto"
+    kwargs = {"assistant_model": drafter}
     if method == "dflash_builtin":
         kwargs["speculation_type"] = "dflash"
     return kwargs
@@ -60,7 +94,7 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
               max_new_tokens: int = 128, seed: int = 0) -> list[dict]:
     """One record per (set, prompt, temperature, method): new tokens, seconds, target forwards, τ, identical."""
     records = []
-    counter = ForwardCounter(target)
+    counter, timer = ForwardCounter(target), ForwardTimer(target)
     try:
         warm = chat_input_ids(tokenizer, "Hi")
         for method in methods:  # warm every path once, so no method is timed cold
@@ -74,7 +108,7 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                     reference = None
                     for method in methods:
                         torch.manual_seed(seed + index)
-                        counter.count = 0
+                        counter.count, timer.seconds = 0, 0.0
                         start = time.perf_counter()
                         out = target.generate(ids, max_new_tokens=max_new_tokens, **sampling,
                                               **method_kwargs(method, drafters))
@@ -82,18 +116,23 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                         new = out.shape[1] - ids.shape[1]
                         if method == "ar":
                             reference = out
-                        stats = getattr(drafters.get(DRAFTER_OF.get(method, "")), "last_speculation_stats", None)
+                        stats = getattr(drafters.get(drafter_of(method)), "last_speculation_stats", None)
+                        hook = stats is not None and method not in ("ar", "prompt_lookup", "dflash_builtin")
                         records.append({
                             "set": set_name, "prompt": index, "temperature": temperature, "method": method,
                             "new_tokens": new, "seconds": seconds, "target_forwards": counter.count,
                             # the prefill yields one token; every later forward yields accepted + 1
                             "tau": (new - 1) / (counter.count - 1) if counter.count > 1 else 1.0,
                             "identical": bool(torch.equal(out, reference)) if temperature == 0 else None,
-                            "accepted_per_round": list(stats.accepted)
-                            if stats and method in ("mtp", "dflash", "dfly", "router") else None,
+                            "accepted_per_round": list(stats.accepted) if hook else None,
+                            "plain_steps": stats.plain_steps if hook else None,
+                            # where the time went: target forwards, drafting (hook methods), the rest
+                            "forward_seconds": timer.seconds,
+                            "draft_seconds": stats.draft_seconds if hook else None,
                         })
     finally:
         counter.close()
+        timer.close()
     return records
 
 
@@ -111,8 +150,16 @@ def summarise(records: list[dict]) -> list[dict]:
         ar = groups[(set_name, temperature, "ar")]
         tps = sum(r["new_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
         ar_tps = sum(r["new_tokens"] for r in ar) / sum(r["seconds"] for r in ar)
+        forwards = max(sum(r["target_forwards"] for r in rs), 1)
+        ar_step = sum(r["seconds"] for r in ar) / max(sum(r["target_forwards"] for r in ar), 1)  # one AR step
+        draft = sum(r["draft_seconds"] or 0.0 for r in rs)
+        verify = sum(r["forward_seconds"] for r in rs)
         rows.append({
             "set": set_name, "temperature": temperature, "method": method, "prompts": len(rs),
+            # one round (= one target forward) in plain decode steps: drafting, the target forward, everything else
+            "round_draft": draft / forwards / ar_step,
+            "round_verify": verify / forwards / ar_step,
+            "round_overhead": (sum(r["seconds"] for r in rs) - draft - verify) / forwards / ar_step,
             "tau": sum(r["new_tokens"] - 1 for r in rs) / max(sum(r["target_forwards"] - 1 for r in rs), 1),
             "tokens_per_s": tps, "speedup": tps / ar_tps,
             "median_speedup": statistics.median(
@@ -125,7 +172,7 @@ def summarise(records: list[dict]) -> list[dict]:
 def acceptance_by_position(records: list[dict]) -> dict[str, list[float]]:
     """Per drafter method: P(draft position k accepted) over all rounds (k = 1, 2, ...)."""
     curves = {}
-    for method in ("mtp", "dflash", "dfly", "router"):
+    for method in sorted({r["method"] for r in records if r["accepted_per_round"]}, key=method_order):
         rounds = [a for r in records if r["method"] == method and r["accepted_per_round"] for a in r["accepted_per_round"]]
         if rounds:
             depth = max(max(rounds), 1)
@@ -138,12 +185,14 @@ def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
     lines = [f"# angelspec bench\n\n{meta['setting']}\n",
-             "| set | T | method | prompts | τ | tok/s | speed-up (total) | speed-up (median) | greedy identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["set"], r["temperature"], METHODS.index(r["method"]))):
+             "| set | T | method | prompts | τ | tok/s | speed-up (total) | speed-up (median) | greedy identical "
+             "| round: draft + forward + rest (AR steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["set"], r["temperature"], method_order(r["method"]))):
         same = "—" if r["identical"] is None else ("yes" if r["identical"] else "**NO**")
+        split = f"{r['round_draft']:.2f} + {r['round_verify']:.2f} + {r['round_overhead']:.2f}"
         lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} | {r['prompts']} | {r['tau']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['median_speedup']:.2f}x | {same} |")
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['median_speedup']:.2f}x | {same} | {split} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     paths = {"json": out / "results.json", "markdown": out / "results.md"}
     import matplotlib
@@ -154,7 +203,7 @@ def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
     for temperature in sorted({r["temperature"] for r in rows}):
         sub = [r for r in rows if r["temperature"] == temperature]
         sets = sorted({r["set"] for r in sub})
-        methods = [m for m in METHODS if any(r["method"] == m for r in sub)]
+        methods = sorted({r["method"] for r in sub}, key=method_order)
         fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(sets), 3.6))
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
@@ -193,13 +242,16 @@ def bench_main(args) -> int:
     methods = args.methods.split(",")
     if args.concurrency:
         methods = [m for m in methods if m in ("mtp", "dflash", "dfly")] + ["ar"]
-    unknown = set(methods) - set(METHODS)
-    if unknown or "ar" not in methods:
-        raise SystemExit(f"--methods must include 'ar' and come from {METHODS}; got {sorted(unknown)}")
-    target, tokenizer = angelspec_hf.load_target(args.target)
     given = dict(item.split("=", 1) for item in args.drafters.split(",") if item) if args.drafters else {}
+    unknown = set(methods) - set(METHODS) - set(given)
+    if unknown or "ar" not in methods:
+        raise SystemExit(f"--methods must include 'ar' and come from {METHODS} or the labels of --drafters; got "
+                         f"{sorted(unknown)}")
+    target, tokenizer = angelspec_hf.load_target(args.target)
     drafters, untrained = {}, []
     needed = {DRAFTER_OF[m] for m in methods if m in DRAFTER_OF} | ({"mtp", "dfly"} if "router" in methods else set())
+    for label in sorted(set(methods) & set(given) - set(METHODS)):  # extra drafters, each a method of its own
+        drafters[label] = angelspec_hf.load_drafter(given[label])
     for family in sorted(needed - {"router"}):
         if family in given:
             drafters[family] = angelspec_hf.load_drafter(given[family])
@@ -238,7 +290,9 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="methods side by side: τ, tokens/s, speed-up, greedy identity")
     bench.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     bench.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
-    bench.add_argument("--drafters", default="", help="family=folder/id pairs, e.g. dfly=runs/dfly,mtp=runs/mtp")
+    bench.add_argument("--drafters", default="",
+                       help="family=folder/id pairs, e.g. dfly=runs/dfly,mtp=runs/mtp; any other label=folder adds "
+                            "a method of that name (name it in --methods), e.g. dfly8k=my-dfly-8k")
     bench.add_argument("--sets", default=",".join(EVAL_SETS))
     bench.add_argument("--prompts", default=None, help="your own jsonl with a 'prompt' field (replaces --sets)")
     bench.add_argument("--prompts-per-set", type=int, default=4)

@@ -1,6 +1,7 @@
 """`angelspec` command line. `angelspec generate` is the main job: speculative generation on the embedded target,
 printing the text, the mean accepted length and the speed-up over plain `generate`, measured side by side.
 `angelspec regenerate` writes the target's own responses to TRAIN prompts (self-distillation data).
+`angelspec prune-vocab` gives a drafter a pruned draft vocabulary (the target's most frequent reply tokens).
 `angelspec serve` runs a TGI-compatible HTTP server on the batched speculative engine.
 `angelspec demo` runs the Gradio Space (`spaces_demo/app.py`) locally."""
 
@@ -226,8 +227,10 @@ def main(argv=None) -> int:
     demo.add_argument("--share", action="store_true", help="a temporary public gradio.live link")
     demo.set_defaults(func=cmd_demo)
     from angelspec_hf.bench import add_bench_parser
+    from angelspec_hf.draft_vocab import add_prune_vocab_parser
 
     add_bench_parser(sub)
+    add_prune_vocab_parser(sub)
     train = sub.add_parser("train", help="train a drafter (all TrainingArguments flags; see --help)", add_help=False)
     train.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)

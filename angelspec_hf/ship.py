@@ -1,5 +1,6 @@
 """`python -m angelspec_hf.ship RUN_DIR DEST`: a training run's final drafter → fp16 Hub layout in DEST (safetensors,
-config, modeling code with `auto_map`, and the run's model card)."""
+config, modeling code with `auto_map`, and the run's model card). `python -m angelspec_hf.ship --code FOLDER...`
+rewrites only the modeling code of shipped folders from the current `modeling/` (what `save_pretrained` would write)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,30 @@ def ship(run_dir, dest) -> Path:
     return dest
 
 
+def export_drafter_code(folder, out=None) -> list[Path]:
+    """The modeling code `save_pretrained` writes for the drafter in `folder` (its `auto_map` classes), written to
+    `out` (default: `folder`, replacing its `.py` files)."""
+    import json
+
+    from angelspec_hf.modeling import DRAFTERS
+    from angelspec_hf.modeling.drafter_utils import export_code
+
+    model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
+    classes = next((pair for pair in DRAFTERS.values() if pair[0].model_type == model_type), None)
+    if classes is None:
+        raise ValueError(f"{folder}: model_type {model_type!r} is not an AngelSpec drafter")
+    out = Path(out or folder)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.py"):
+        old.unlink()
+    return sorted(set(export_code(classes[1], out) + export_code(classes[0], out)))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m angelspec_hf.ship RUN_DIR DEST")
-    print(ship(sys.argv[1], sys.argv[2]))
+    if len(sys.argv) >= 3 and sys.argv[1] == "--code":
+        for folder in sys.argv[2:]:
+            print(folder, [p.name for p in export_drafter_code(folder)])
+    elif len(sys.argv) == 3:
+        print(ship(sys.argv[1], sys.argv[2]))
+    else:
+        sys.exit("usage: python -m angelspec_hf.ship RUN_DIR DEST | --code FOLDER...")

@@ -55,14 +55,29 @@ def tiny_chat_target(seed=0):
 
 
 def tiny_drafter(family, target, seed=1, **overrides):
+    """A random drafter of `family` for `target`. It drafts whole blocks (`draft_length="full"`) unless told
+    otherwise, so tests exercise drafting and verification every round whatever the timing of this machine."""
     cls, defaults = FAMILIES[family]
     torch.manual_seed(seed)
-    drafter = cls.from_target(target, **(defaults | overrides)).eval()
+    drafter = cls.from_target(target, **(defaults | {"draft_length": "full"} | overrides)).eval()
     if family == "dfly":  # a trained-looking AR head (it starts at zero, which would make it a no-op)
         with torch.no_grad():
             drafter.ar_head.down_proj.weight.normal_(std=0.2)
             drafter.layer_fusion_weights.normal_()
     return drafter
+
+
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads cost them up to 10x;
+    tests on the real target (marked `real_model`) keep the default."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

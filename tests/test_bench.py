@@ -22,8 +22,13 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert code == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["method"], r["temperature"]): r for r in result["summary"]}
-    assert {m for m, _ in rows} == {"ar", "prompt_lookup", "dflash_builtin", "mtp", "dflash", "dfly", "router"}
+    assert {m for m, _ in rows} == {"ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "dflash",
+                                    "dflash_full", "dfly", "dfly_full", "router"}
     assert rows[("ar", 0.0)]["tau"] == 1.0 and rows[("ar", 0.0)]["speedup"] == 1.0
+    # the round split: AR never drafts; whole blocks always do; the parts add up to the time per forward
+    assert rows[("ar", 0.0)]["round_draft"] == 0 and rows[("dfly_full", 0.0)]["round_draft"] > 0
+    ar = rows[("ar", 0.0)]
+    assert ar["round_verify"] + ar["round_overhead"] == pytest.approx(1.0)
     assert all(r["identical"] for (m, t), r in rows.items() if t == 0.0)
     assert result["meta"]["untrained"] == ["dflash", "dfly", "mtp"]
     for name in ("results.md", "speedup_T0.png", "speedup_T1.png", "acceptance_by_position.png"):

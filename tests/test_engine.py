@@ -1,17 +1,20 @@
 """The batched engine (`angelspec_hf.generate_batch`, `SpeculativeEngine`): lossless for every drafter, batch mix,
 arrival order and verification budget; exact sampling; D-Cut's selection, calibration and cost model; paged memory."""
 
+import dataclasses
+import inspect
 import json
 import random
 
 import pytest
 import torch
-from test_sampling import PROMPT, VOCAB, exact_distribution, goodness_of_fit
 
 from angelspec_hf.tgi_patch import reference
 from angelspec_hf.tgi_patch.dcut import AcceptanceCalibrator, CostModel, load_or_profile
-from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, generate_batch
+from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, StepTrace, generate_batch
 from conftest import tiny_drafter, tiny_target
+from stats import (PROMPT, ImpossibleSample, assert_power, correction_from_p, exact_distribution, peaked_drafter,
+                   report, sequence_fit, single_thread, spread_target)
 
 FIXED_COST = CostModel((1.0, 0.05, 0.02), (0.2, 0.01))  # tests that do not exercise profiling
 
@@ -167,27 +170,231 @@ def test_eos_and_events(targets):
     assert not events[0].from_draft[0]  # the first token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["mtp", "dfly"])
-def test_sampling_keeps_the_target_distribution(family):
-    target = tiny_target(vocab_size=VOCAB, seed=4, skew=1.5)
-    exact = exact_distribution(target, 3)
-    extra = {} if family == "mtp" else {"mask_token_id": 6}
-    drafter = tiny_drafter(family, target, **extra)
-    engine = SpeculativeEngine(target, drafter, verify="full", max_batch_size=32)
+# ---- exact sampling in every verify mode, with power --------------------------------------------------------------
+# The target's p is spread and the drafter's q sharply peaked elsewhere (total variation ~0.5, asserted through the
+# acceptance rate), so verification really decides what is emitted. Each case runs the engine, then the same requests
+# (same seeds) through engines with a known-wrong rule, and checks the same statistic on the same number of draws: the
+# right engine passes, every wrong one is rejected. (Planning "auto" from the real later keys is not among them: with
+# the linear CostModel the best budget never looks past a position, so that rule is lossless there; it is caught by
+# test_auto_selection_of_a_sampled_position_ignores_its_later_positions under GPU-like tiled costs.)
+class OldConfidenceEngine(SpeculativeEngine):
+    """Issue 11's rule: D-Cut ranks a sampled position by q of the token actually drafted there."""
+
+    def draft_confidence(self, probs, token):
+        return probs.gather(1, token[:, None]).squeeze(1)
+
+
+class PlanFromRealKeysEngine(SpeculativeEngine):
+    """"auto" plans the step with the sampled rows' real later acceptance probabilities (they depend on the tokens
+    drafted before them)."""
+
+    def plan_acceptance(self, accept, sampled):
+        return accept
+
+
+class IgnoresTemperatureEngine(SpeculativeEngine):
+    """Processes target and drafter logits as if every request asked for temperature 1."""
+
+    def _process(self, logits, requests, span):
+        at_one = [dataclasses.replace(r, params=dataclasses.replace(r.params, temperature=1.0)) for r in requests]
+        return super()._process(logits, at_one, span)
+
+
+class RawDraftQEngine(SpeculativeEngine):
+    """Draws each draft token from the processed drafter distribution (temperature, top-k, top-p) but hands
+    verification the unprocessed softmax as q."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        draft = self.batch_drafter.draft
+        signature = inspect.signature(draft)
+
+        def raw_draft(*a, **kw):
+            bound = signature.bind(*a, **kw)
+            select = bound.arguments["select"]
+
+            def raw_select(logits, j):
+                token, probs, conf = select(logits, j)
+                return token, None if probs is None else torch.softmax(logits.float(), -1), conf
+
+            bound.arguments["select"] = raw_select
+            return draft(*bound.args, **bound.kwargs)
+
+        self.batch_drafter.draft = raw_draft
+
+
+WRONG_ENGINES = {"old D-Cut confidence q(drafted)": OldConfidenceEngine, "plan from real keys": PlanFromRealKeysEngine,
+                 "temperature ignored": IgnoresTemperatureEngine, "draft q unprocessed": RawDraftQEngine,
+                 "correction from p": SpeculativeEngine}  # the last with reference.verify patched
+# verification is marginal under this cost: D-Cut verifies some drafted positions and prunes others
+MARGINAL_COST = CostModel((1.0, 0.05, 0.08), (0.0, 0.0))
+GREEDY_PROMPT = [6, 6, 2]
+
+SAMPLING_CASES = {
+    # id: (family, verify, engine options, sampling params, max_new_tokens, draws, wrong rules to reject)
+    "full-T1": ("mtp", "full", {}, dict(temperature=1.0), 4, 4000, ["correction from p"]),
+    "full-T0.7-topk-topp": ("dfly", "full", {}, dict(temperature=0.7, top_k=5, top_p=0.9), 3, 4000,
+                            ["correction from p", "temperature ignored", "draft q unprocessed"]),
+    "auto-T1": ("mtp", "auto", {"cost_model": MARGINAL_COST}, dict(temperature=1.0), 3, 6000,
+                ["old D-Cut confidence q(drafted)", "correction from p"]),
+    "auto-T0.7-topk": ("mtp", "auto", {"cost_model": MARGINAL_COST}, dict(temperature=0.7, top_k=5), 3, 6000,
+                       ["old D-Cut confidence q(drafted)", "temperature ignored"]),
+    "budget16-T0.7": ("mtp", 16, {}, dict(temperature=0.7), 3, 5000,
+                      ["old D-Cut confidence q(drafted)", "temperature ignored"]),
+    "budget24-T1-topp": ("mtp", 24, {}, dict(temperature=1.0, top_p=0.9), 4, 4000,
+                         ["old D-Cut confidence q(drafted)", "correction from p"]),
+    "depth:1-T0.7-topp": ("mtp", "depth:1", {}, dict(temperature=0.7, top_p=0.9), 3, 4000,
+                          ["correction from p", "temperature ignored"]),
+    "depth:2-T0.7": ("dfly", "depth:2", {}, dict(temperature=0.7), 4, 4000,
+                     ["correction from p", "draft q unprocessed"]),
+}
+
+
+@pytest.fixture(scope="module")
+def spread():
+    return spread_target()
+
+
+def run_sampled(target, drafter, draws, params, max_new_tokens, *, verify, engine_cls=SpeculativeEngine,
+                max_batch_size=64, **engine_kwargs):
+    """`draws` sampled requests (seeds 0..draws-1) of PROMPT, a greedy neighbour after every 4th; returns the sampled
+    outputs, the greedy neighbours' outputs and the engine."""
+    engine_kwargs.setdefault("cost_model", FIXED_COST)
+    engine = engine_cls(target, drafter, verify=verify, max_batch_size=max_batch_size, **engine_kwargs)
     prompt = PROMPT[0].tolist()
-    ids = []
-    for i in range(2400):
-        params = SamplingParams(max_new_tokens=3, do_sample=True, seed=10_000 + i, stop_token_ids=())
-        ids.append(engine.add_request(prompt, params))
-        if i % 3 == 0:  # greedy neighbours in the same batch
-            engine.add_request([3, 3], SamplingParams(max_new_tokens=2, stop_token_ids=()))
+    ids, greedy = [], []
+    for i in range(draws):
+        ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, do_sample=True, seed=i,
+                                                             stop_token_ids=(), **params)))
+        if i % 4 == 0:
+            greedy.append(engine.add_request(GREEDY_PROMPT, SamplingParams(max_new_tokens=3, stop_token_ids=())))
     outputs = {}
     while engine.has_work():
         for event in engine.step():
             outputs.setdefault(event.request_id, []).extend(event.token_ids)
-    samples = [tuple(outputs[i]) for i in ids]
-    assert 0 < engine.stats["accepted"] < engine.stats["verified"]
-    assert goodness_of_fit(samples, exact) > 1e-3
+    return [tuple(outputs[i]) for i in ids], [outputs[i] for i in greedy], engine
+
+
+def _fit(samples, exact):
+    try:
+        return sequence_fit(samples, exact)
+    except ImpossibleSample:
+        return 0.0
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampling_is_exact_in_every_verify_mode_with_power(spread, case, monkeypatch):
+    family, verify, options, params, new_tokens, draws, wrong_rules = SAMPLING_CASES[case]
+    target = spread
+    drafter = peaked_drafter(family, target)
+    exact = exact_distribution(target, new_tokens, temperature=params.get("temperature", 1.0),
+                               top_k=params.get("top_k", 0), top_p=params.get("top_p", 1.0))
+    with single_thread():
+        samples, greedy, engine = run_sampled(target, drafter, draws, params, new_tokens, verify=verify, **options)
+        stats = engine.stats
+        # drafts were verified, some accepted and many rejected: p and q are far apart (acceptance = 1 - TV)
+        assert 0 < stats["accepted"] < 0.65 * stats["verified"]
+        if verify == "auto" or isinstance(verify, int):  # D-Cut really chose: it verified some, not all
+            assert 0 < stats["verified"] < stats["drafted"]
+        assert all(g == greedy[0] for g in greedy)  # greedy neighbours are deterministic whatever the batch
+        right = _fit(samples, exact)
+        wrong = {}
+        for name in wrong_rules:
+            with monkeypatch.context() as patch:
+                if name == "correction from p":
+                    patch.setattr(reference, "verify", correction_from_p(reference.verify))
+                bad, _, _ = run_sampled(target, drafter, draws, params, new_tokens, verify=verify,
+                                        engine_cls=WRONG_ENGINES[name], **options)
+            wrong[name] = _fit(bad, exact)
+    report(f"engine {case}: {draws} draws, verified {stats['verified']}/{stats['drafted']} drafted, accepted "
+           f"{stats['accepted']}", right, **wrong)
+    assert_power(right, wrong)
+
+
+def test_verification_sees_the_processed_drafter_distribution(spread, monkeypatch):
+    """The q handed to verification is the drafter's distribution after the request's temperature, top-k and top-p
+    (drafting from, and reporting, the raw softmax is lossless but not what was asked for; reporting one and drawing
+    from the other is caught by the distribution tests)."""
+    drafter = peaked_drafter("mtp", spread)
+    seen = []
+    verify = reference.verify
+
+    def spy(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
+        if draft_probs is not None and draft_probs.shape[1]:
+            rows = ~greedy & (depth > 0)
+            seen.append(draft_probs[rows, 0].clone())
+        return verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample)
+
+    monkeypatch.setattr(reference, "verify", spy)
+
+    def q_rows(**params):
+        seen.clear()
+        run_sampled(spread, drafter, 48, params, 3, verify="full")
+        return torch.cat(seen)
+
+    raw = q_rows()
+    assert bool(((raw > 0).sum(-1) == raw.shape[-1]).all()) and float(raw.max(-1).values.min()) < 0.9
+    assert bool(((q_rows(top_k=2) > 0).sum(-1) <= 2).all())
+    assert float(q_rows(temperature=0.05).max(-1).values.min()) > 0.99
+    assert bool(((q_rows(top_p=0.6) > 0).sum(-1) < raw.shape[-1]).all())
+
+
+def test_draft_confidence_does_not_look_at_the_drafted_token():
+    """D-Cut's confidence in a sampled position is known before its token is drawn (issue 11)."""
+    engine = SpeculativeEngine.__new__(SpeculativeEngine)  # the rule needs no model
+    probs = torch.softmax(torch.randn(64, 7, generator=torch.Generator().manual_seed(0)) * 2, -1)
+    confidences = {tuple(engine.draft_confidence(probs, torch.full((64,), t)).tolist()) for t in range(7)}
+    assert len(confidences) == 1
+    wrong = OldConfidenceEngine.__new__(OldConfidenceEngine)
+    assert len({tuple(wrong.draft_confidence(probs, torch.full((64,), t)).tolist()) for t in range(7)}) == 7
+
+
+class TiledCost(CostModel):
+    """Verification priced in tiles of `tile` tokens, as on a GPU: a step verifying 1..tile draft tokens costs the
+    same. Gains are not concave in the budget any more, so a plan may look ahead along a row."""
+
+    def __init__(self, tile, per_tile):
+        super().__init__((1.0, 0.0, 0.0), (0.0, 0.0))
+        self.tile, self.per_tile = tile, per_tile
+
+    def step_costs(self, rows, base_tokens, max_extra, drafted, device=None):
+        extra = torch.arange(max_extra + 1, dtype=torch.float32, device=device)
+        return self.verify(rows, base_tokens) + self.per_tile * torch.ceil(extra / self.tile)
+
+
+def _selection_looks_ahead(target, engine_cls, cost, verify="auto", trials=300):
+    """How often, over random batches, a sampled row's verification of position k changed when only the confidence
+    of its positions after k changed (they depend on the token drafted at k). Exactness needs 0."""
+    engine = engine_cls(target, None, verify=verify, cost_model=cost)
+    g = torch.Generator().manual_seed(1)
+    changed = 0
+    for _ in range(trials):
+        rows, k = int(torch.randint(1, 6, (1,), generator=g)), 3
+        conf = torch.rand(rows, k, generator=g)
+        drafted = torch.randint(1, k + 1, (rows,), generator=g)
+        sampled = torch.rand(rows, generator=g) < 0.7
+        before = engine._select(conf, drafted, rows, rows, rows, StepTrace(), sampled)
+        i, j = int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, k - 1, (1,), generator=g))
+        if not bool(sampled[i]):
+            continue
+        other = conf.clone()
+        other[i, j + 1 :] = torch.rand(k - j - 1, generator=g)
+        after = engine._select(other, drafted, rows, rows, rows, StepTrace(), sampled)
+        changed += int((before[i] > j) != (after[i] > j))  # position j verified or not
+    return changed
+
+
+@pytest.mark.parametrize("cost", ["linear", "tiled"])
+def test_auto_selection_of_a_sampled_position_ignores_its_later_positions(targets, cost):
+    """Whether "auto" verifies a sampled row's position k may not depend on the confidences of its positions after k.
+    With linear costs the best budget already never looks ahead; with tiled (GPU-like) costs only the plan
+    (`plan_acceptance`) keeps it so: planning with the real later keys is caught here."""
+    model = MARGINAL_COST if cost == "linear" else TiledCost(tile=4, per_tile=0.6)
+    target = targets[0]
+    assert _selection_looks_ahead(target, SpeculativeEngine, model) == 0
+    assert _selection_looks_ahead(target, SpeculativeEngine, model, verify=3) == 0  # budgets: exact as they are
+    if cost == "tiled":
+        assert _selection_looks_ahead(target, PlanFromRealKeysEngine, model) > 0  # the check has power
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(targets):

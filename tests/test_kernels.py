@@ -6,7 +6,9 @@ import torch
 
 from angelspec_hf.tgi_patch import reference
 from angelspec_hf.tgi_patch import triton_kernels as tk  # (needs the `kernels` extra: triton)
-from angelspec_hf.tgi_patch.sampling import process_logits
+from angelspec_hf.tgi_patch.sampling import process_logits, sample_from
+from stats import (ImpossibleSample, assert_power, correction_from_p, goodness_of_fit, processed_logprobs, report,
+                   total_variation)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,3 +84,107 @@ def test_engine_gives_the_same_tokens_through_the_kernels(monkeypatch):
         runs[force] = [generate_batch(target, drafter, prompts, max_new_tokens=10, verify=verify, **kw)
                        for verify in ("full", 4) for kw in ({}, {"do_sample": True, "seed": 3, "top_k": 30})]
     assert runs["1"] == runs[""]
+
+
+# ---- the verify rule's output law, with power --------------------------------------------------------------------
+# One draft position per row (depth 1), p and q far apart, temperature 0.7 applied by `process_logits`; the exact law
+# of what verify returns is known in closed form: the first token x is accepted with probability min(p0(x), q(x))
+# and then followed by a bonus y ~ p1, or x is a correction with probability max(p0(x) - q(x), 0).
+V_SMALL, TEMPERATURE = 6, 0.7
+TARGET_LOGITS = torch.tensor([[1.4, 1.0, 0.6, 0.3, 0.0, -0.4], [0.0, 0.9, 0.2, 1.3, -0.3, 0.5]])  # positions 0, 1
+DRAFT_LOGITS = torch.tensor([2.6, -0.5, 0.4, -1.0, 0.1, -0.8])  # peaked on the target's favourite token 0
+
+
+def _single_position_inputs(rows, temperature=TEMPERATURE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ones = torch.ones(2 * rows)
+    logits = TARGET_LOGITS.repeat(rows, 1)
+    scores = process_logits(logits, temperature * ones, 0 * ones.long(), ones).reshape(rows, 2, V_SMALL)
+    q = process_logits(DRAFT_LOGITS.repeat(rows, 1), temperature * ones[:rows], 0 * ones[:rows].long(),
+                       ones[:rows])[:, None]
+    draft = torch.multinomial(q[:, 0], 1, replacement=True, generator=g)
+    depth = torch.ones(rows, dtype=torch.long)
+    greedy = torch.zeros(rows, dtype=torch.bool)
+    return [scores, draft, q, depth, greedy, torch.rand(rows, 1, generator=g), torch.rand(rows, 2, generator=g)]
+
+
+def _exact_verify_law(temperature=TEMPERATURE):
+    """Cells (x, 1, y): draft x accepted, bonus y; (x, 0, -1): x drawn as the correction. From the float64 softmax
+    of the logits (independent of `process_logits`)."""
+    p0, p1 = (processed_logprobs(TARGET_LOGITS, temperature).exp()).tolist()
+    q = processed_logprobs(DRAFT_LOGITS, temperature).exp().tolist()
+    law = {(x, 1, y): min(p0[x], q[x]) * p1[y] for x in range(V_SMALL) for y in range(V_SMALL)}
+    law |= {(x, 0, -1): max(p0[x] - q[x], 0.0) for x in range(V_SMALL)}
+    return law
+
+
+def _outcomes(args, num_accepted, token):
+    draft = args[1][:, 0]
+    return [(int(d), 1, int(t)) if n else (int(t), 0, -1)
+            for d, n, t in zip(draft.tolist(), num_accepted.tolist(), token.tolist())]
+
+
+def _fit(args, verify):
+    try:
+        return goodness_of_fit(_outcomes(args, *verify(*args)), _exact_verify_law())
+    except ImpossibleSample:
+        return 0.0  # a sample in a cell of probability zero: rejected outright
+
+
+def _textbook_verify(accept="p/q", correction="residual", bonus="p"):
+    """Leviathan et al. for one draft position written out plainly, with switches for known-wrong variants."""
+
+    def verify(scores, draft, q, depth, greedy, u_accept, u_sample):
+        p0, p1, q0, d = scores[:, 0].float(), scores[:, 1].float(), q[:, 0].float(), draft[:, 0]
+        p_d, q_d = p0.gather(1, d[:, None])[:, 0], q0.gather(1, d[:, None])[:, 0]
+        accepted = u_accept[:, 0] * q_d < p_d if accept == "p/q" else u_accept[:, 0] * p_d < q_d
+        residual = (p0 - q0).clamp(min=0)
+        fix = sample_from(residual if correction == "residual" else p0, u_sample[:, 0])
+        extra = sample_from(p1 if bonus == "p" else (p1 - q0).clamp(min=0), u_sample[:, 1])
+        return accepted.long(), torch.where(accepted, extra, fix)
+
+    return verify
+
+
+WRONG_VERIFY_RULES = {
+    "correction from p": lambda impl: correction_from_p(impl),
+    "accept min(1, q/p)": lambda impl: _textbook_verify(accept="q/p"),
+    "bonus from the residual": lambda impl: _textbook_verify(bonus="residual"),
+}
+
+
+def test_reference_verify_keeps_the_target_distribution_with_power():
+    """20,000 rows in one call of the torch reference: the exact law of (token, accepted, bonus) at T = 0.7 passes;
+    each known-wrong rule, and the right rule fed T = 1 probabilities (temperature ignored), is rejected."""
+    rows = 20_000
+    args = _single_position_inputs(rows)
+    p0 = processed_logprobs(TARGET_LOGITS[0], TEMPERATURE).exp()
+    q = processed_logprobs(DRAFT_LOGITS, TEMPERATURE).exp()
+    assert total_variation(p0, q) > 0.3  # p and q differ strongly: rejections are common
+    n_acc, token = reference.verify(*args)
+    assert (n_acc.tolist(), token.tolist()) == tuple(x.tolist() for x in _textbook_verify()(*args))
+    right = _fit(args, reference.verify)
+    wrong = {name: _fit(args, make(reference.verify)) for name, make in WRONG_VERIFY_RULES.items()}
+    wrong["temperature ignored"] = _fit(_single_position_inputs(rows, temperature=1.0), reference.verify)
+    report("reference verify, 20k rows, T=0.7", right, **wrong)
+    assert_power(right, wrong)
+
+
+def test_triton_verify_keeps_the_target_distribution_with_power():
+    """The Triton kernel on the same law (a small grid: under the CPU interpreter each row is a program)."""
+    rows = 400 if DEVICE == "cpu" else 20_000
+
+    def triton_verify(*args):  # CPU tensors in and out; the kernel runs on DEVICE
+        return tuple(x.cpu() for x in tk.verify(*[t.to(DEVICE) for t in args]))
+
+    args = _single_position_inputs(rows, seed=1)
+    n_acc, token = triton_verify(*args)
+    ref_n, ref_token = (x.cpu() for x in reference.verify(*[t.to(DEVICE) for t in args]))
+    differ = int(((n_acc != ref_n) | (token != ref_token)).sum())
+    assert differ <= (0 if DEVICE == "cpu" else rows // 2000)  # on a GPU a float sum may round differently, rarely
+    ran = lambda *_: (n_acc, token)  # noqa: E731  (the kernel's outputs on these inputs, computed once)
+    right = _fit(args, ran)
+    wrong = {"correction from p": _fit(args, correction_from_p(ran)),
+             "temperature ignored": _fit(_single_position_inputs(rows, temperature=1.0, seed=1), triton_verify)}
+    report(f"triton verify, {rows} rows, T=0.7", right, **wrong)
+    assert_power(right, wrong)

@@ -1,95 +1,183 @@
-"""do_sample=True keeps the target's distribution exactly: chi-square goodness of fit against the exact
-target probabilities, for speculative and for plain sampling, on a tiny vocabulary."""
+"""do_sample=True through `target.generate(assistant_model=drafter)` keeps the target's distribution exactly:
+chi-square goodness of fit against the exact processed target probabilities on a tiny vocabulary, with temperature
+0.7, top-k and top-p, a drafter far from the target, and in every test a known-wrong sampler run through the same
+statistic on the same number of draws that must be rejected (so no test can pass vacuously).
 
-import itertools
+transformers' first generated token comes from the prefill; drafting starts at the second. With `max_new_tokens=3`
+every call drafts exactly one position (the room left is what caps it), with 4 two positions."""
 
 import pytest
 import torch
-from scipy.stats import chisquare
+import transformers.generation.utils as generation_utils
 
-from conftest import tiny_drafter, tiny_target
+from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
+from stats import (ALPHA, PROMPT, ImpossibleSample, assert_power, exact_distribution, goodness_of_fit, marginal,
+                   peaked_drafter, report, sequence_fit, single_thread, spread_target, total_variation,
+                   vector_distribution)
 
-VOCAB, DRAWS = 7, 2400
-PROMPT = torch.tensor([[3, 5, 4]])
-
-
-def exact_distribution(target, steps, temperature=1.0, top_k=None):
-    """Exact probability of every continuation of `steps` tokens, after temperature and top-k (as `generate` does)."""
-    probs = {}
-    for seq in itertools.product(range(VOCAB), repeat=steps):
-        ids = torch.cat([PROMPT, torch.tensor([seq])], dim=1)
-        with torch.no_grad():
-            logits = target(ids).logits[0, PROMPT.shape[1] - 1 : -1].double() / temperature
-            if top_k is not None:
-                kth = logits.topk(top_k, dim=-1).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            logp = torch.log_softmax(logits, dim=-1)
-        probs[seq] = float(torch.exp(sum(logp[i, t] for i, t in enumerate(seq))))
-    return probs
-
-
-def goodness_of_fit(samples, probs, min_expected=5.0):
-    """p-value of samples against probs; cells with small expectation are pooled into one."""
-    counts = {k: 0 for k in probs}
-    for s in samples:
-        counts[s] += 1
-    big = [k for k in probs if probs[k] * len(samples) >= min_expected]
-    observed = [counts[k] for k in big] + [len(samples) - sum(counts[k] for k in big)]
-    expected = [probs[k] * len(samples) for k in big] + [len(samples) * (1 - sum(probs[k] for k in big))]
-    return chisquare(observed, expected).pvalue
+DRAWS = 1200
+PROCESSING = dict(temperature=0.7, top_k=5, top_p=0.9)
 
 
 @pytest.fixture(scope="module")
-def sampling_target():
-    return tiny_target(vocab_size=VOCAB, seed=4, skew=1.5)
+def target():
+    return spread_target()
 
 
-@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
-def test_speculative_sampling_matches_target_distribution(sampling_target, family):
-    target = sampling_target
-    drafter = tiny_drafter(family, target, mask_token_id=6) if family != "mtp" else tiny_drafter(family, target)
-    steps = 3
-    exact = exact_distribution(target, steps)
-    torch.manual_seed(1234)
-    samples, proposed, accepted = [], 0, 0
-    for _ in range(DRAWS):
-        out = target.generate(PROMPT, do_sample=True, max_new_tokens=steps, top_k=0, top_p=1.0, temperature=1.0,
-                              eos_token_id=None, pad_token_id=0, assistant_model=drafter)
-        samples.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
-        proposed += sum(drafter.last_speculation_stats.proposed)
-        accepted += sum(drafter.last_speculation_stats.accepted)
-    # The drafts were really tested: some accepted, some rejected.
-    assert 0 < accepted < proposed
-    assert goodness_of_fit(samples, exact) > 1e-3
+def _fit(samples, exact):
+    try:
+        return sequence_fit(samples, exact)
+    except ImpossibleSample:
+        return 0.0
 
 
-def test_speculative_sampling_with_temperature_and_top_k(sampling_target):
-    """With logits processors (temperature 0.7, top-k 4) the output is still exactly the processed target's."""
-    target = sampling_target
-    drafter = tiny_drafter("dfly", target, mask_token_id=6)
-    exact = exact_distribution(target, 2, temperature=0.7, top_k=4)
+def hook_samples(target, drafter, new_tokens, seed, draws=DRAWS):
+    """`draws` calls of generate() with the drafter; returns the samples and (rounds, proposed, accepted, rounds whose
+    first draft token was accepted)."""
+    torch.manual_seed(seed)
+    samples, rounds, proposed, accepted, first = [], 0, 0, 0, 0
+    with single_thread():
+        for _ in range(draws):
+            out = target.generate(PROMPT, do_sample=True, max_new_tokens=new_tokens, eos_token_id=None,
+                                  pad_token_id=0, assistant_model=drafter, **PROCESSING)
+            samples.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
+            stats = drafter.last_speculation_stats
+            rounds += stats.rounds
+            proposed += sum(stats.proposed)
+            accepted += sum(stats.accepted)
+            first += sum(a > 0 for a in stats.accepted)
+    return samples, (rounds, proposed, accepted, first)
+
+
+def _raw_draft_q(monkeypatch):
+    """Wrong rule: the drafter samples from its processed distribution, but verification is handed the unprocessed
+    logits (q built without temperature / top-k / top-p)."""
+    select = AngelSpecCandidateGenerator._select
+
+    def raw(self, logits, prefix):
+        _, token, stop = select(self, logits, prefix)
+        return logits.float(), token, stop
+
+    monkeypatch.setattr(AngelSpecCandidateGenerator, "_select", raw)
+
+
+def _correction_from_p(monkeypatch):
+    """Wrong rule: after a rejection transformers draws the correction from p instead of norm(max(p - q, 0))."""
+    right = generation_utils._speculative_sampling
+
+    def wrong(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
+        valid, n_matches = right(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs)
+        if n_matches < candidate_length:
+            valid = valid.clone()
+            valid[0, -1] = torch.multinomial(new_logits[0, n_matches].softmax(-1), 1)[0]
+        return valid, n_matches
+
+    monkeypatch.setattr(generation_utils, "_speculative_sampling", wrong)
+
+
+WRONG_HOOK_RULES = {"draft q unprocessed": _raw_draft_q, "correction from p": _correction_from_p}
+
+
+@pytest.mark.parametrize("family,new_tokens,wrong_rule", [("mtp", 3, "draft q unprocessed"),
+                                                          ("dflash", 3, "correction from p"),
+                                                          ("dfly", 4, "draft q unprocessed")])
+def test_speculative_sampling_is_exact_with_temperature_top_k_top_p(target, family, new_tokens, wrong_rule,
+                                                                    monkeypatch):
+    """T = 0.7, top-k 5, top-p 0.9 through the hook: every call drafts, drafts are accepted and (mostly) rejected,
+    and the output is exactly the processed target's; the wrong rule, and a sampler ignoring temperature, are not."""
+    drafter = peaked_drafter(family, target)
+    exact = exact_distribution(target, new_tokens, **PROCESSING)
     assert sum(p == 0 for p in exact.values()) > 0  # truncation really removes continuations
-    torch.manual_seed(7)
-    samples = []
-    for _ in range(DRAWS):
-        out = target.generate(PROMPT, do_sample=True, max_new_tokens=2, top_k=4, top_p=1.0, temperature=0.7,
-                              eos_token_id=None, pad_token_id=0, assistant_model=drafter)
-        samples.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
-    assert all(exact[s] > 0 for s in samples)
-    assert goodness_of_fit(samples, exact) > 1e-3
+    assert total_variation(marginal(exact, 2), marginal(exact_distribution(target, 2), 2)) > 0.1  # processing matters
+    samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=1)
+    assert proposed >= DRAWS * (new_tokens - 2) and rounds >= DRAWS  # every call drafted
+    assert 0 < accepted < proposed
+    # acceptance at the first draft position is 1 - TV(p, q): target and drafter are far apart
+    assert first / rounds < 0.65
+    right = _fit(samples, exact)
+
+    with monkeypatch.context() as patch:
+        WRONG_HOOK_RULES[wrong_rule](patch)
+        wrong_samples, _ = hook_samples(target, drafter, new_tokens, seed=2)
+    wrong = {wrong_rule: _fit(wrong_samples, exact)}
+    torch.manual_seed(3)  # a sampler that ignores temperature (T = 1, same top-k / top-p): plain batched sampling
+    hot = target.generate(PROMPT.expand(DRAWS, -1), do_sample=True, max_new_tokens=new_tokens, eos_token_id=None,
+                          pad_token_id=0, **(PROCESSING | {"temperature": 1.0}))
+    wrong["temperature ignored"] = _fit([tuple(r) for r in hot[:, PROMPT.shape[1]:].tolist()], exact)
+    report(f"hook {family}, {DRAWS} draws, {proposed} drafted, {accepted} accepted", right, **wrong)
+    assert_power(right, wrong)
 
 
-def test_plain_sampling_passes_and_a_biased_sampler_fails(sampling_target):
-    """The test has power: plain sampling passes, and sampling from a distorted distribution is rejected."""
-    target, steps = sampling_target, 2
+def test_plain_sampling_passes_and_a_biased_sampler_fails(target):
+    """The statistic has power at this sample size: plain sampling passes, and sampling from a distorted
+    distribution (first tokens of even id 50% more likely; total variation ~0.1) is rejected."""
+    steps, draws = 2, 3000
     exact = exact_distribution(target, steps)
     torch.manual_seed(99)
-    ids = PROMPT.expand(DRAWS, -1)
-    out = target.generate(ids, do_sample=True, max_new_tokens=steps, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
-    plain = [tuple(row) for row in out[:, PROMPT.shape[1]:].tolist()]
-    assert goodness_of_fit(plain, exact) > 1e-3
-    # A small distortion (first tokens of even id 50% more likely; total variation ~0.1) must be rejected.
+    out = target.generate(PROMPT.expand(draws, -1), do_sample=True, max_new_tokens=steps, top_k=0, top_p=1.0,
+                          eos_token_id=None, pad_token_id=0)
+    right = goodness_of_fit([tuple(row) for row in out[:, PROMPT.shape[1]:].tolist()], exact)
     keys = list(exact)
     weights = torch.tensor([exact[k] * (1.5 if k[0] % 2 == 0 else 1.0) for k in keys])
-    biased = torch.multinomial(weights / weights.sum(), DRAWS, replacement=True, generator=torch.Generator().manual_seed(5))
-    assert goodness_of_fit([keys[i] for i in biased], exact) < 1e-3
+    biased = torch.multinomial(weights / weights.sum(), draws, replacement=True,
+                               generator=torch.Generator().manual_seed(5))
+    wrong = {"biased sampler": goodness_of_fit([keys[i] for i in biased], exact)}
+    report("plain sampling", right, **wrong)
+    assert_power(right, wrong)
+
+
+def test_goodness_of_fit_is_defined_on_every_input():
+    """No NaN, no empty or negative cells, whatever the exact distribution looks like."""
+    # top-k leaves structural zeros and many tiny cells: pooled, never a zero-expected "rest" cell (the old NaN)
+    probs = {(a, b): 0.0 for a in range(5) for b in range(5)}
+    probs |= {(0, 0): 0.6, (0, 1): 0.3, (1, 0): 0.05, (1, 1): 0.03, (2, 2): 0.015, (3, 3): 0.005}
+    g = torch.Generator().manual_seed(0)
+    keys = [k for k, p in probs.items() if p > 0]
+    draws = torch.multinomial(torch.tensor([probs[k] for k in keys]), 300, replacement=True, generator=g)
+    samples = [keys[i] for i in draws]
+    p = goodness_of_fit(samples, probs, min_expected=5.0)
+    assert p == p and 0.0 < p <= 1.0
+    # a sample where the exact distribution has probability zero fails loudly, whatever the counts
+    with pytest.raises(ImpossibleSample):
+        goodness_of_fit(samples + [(4, 4)], probs)
+    with pytest.raises(ImpossibleSample):
+        goodness_of_fit(samples + [(9, 9)], probs)  # a cell not listed at all
+    # degenerate: one cell of probability 1 (or everything pooled into one) is an exact fit
+    assert goodness_of_fit([(0,)] * 50, {(0,): 1.0, (1,): 0.0}) == 1.0
+    assert goodness_of_fit([0, 1, 0], {0: 0.5, 1: 0.5}, min_expected=5.0) == 1.0
+    # a single position: a probability vector as cells; a wrong vector is rejected
+    vector = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    tokens = torch.multinomial(vector, 2000, replacement=True, generator=g).tolist()
+    assert goodness_of_fit(tokens, vector_distribution(vector)) > ALPHA
+    assert goodness_of_fit(tokens, vector_distribution([0.4, 0.35, 0.25, 0.0])) < ALPHA
+    with pytest.raises(ValueError):
+        goodness_of_fit(tokens, vector_distribution([0.5, 0.3, 0.1, 0.0]))  # does not sum to 1
+
+
+def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
+    """`draft_length="auto"`: how many tokens a round drafts (none, one, two) follows the drafter's confidence, the
+    learned acceptance and the timed costs, all known before the token they decide about is drawn, so the output is
+    still exactly the processed target's; the same statistic rejects a wrong correction rule under the same policy."""
+    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy, RoundCosts
+
+    class LearnedAcceptanceFixedCosts(DraftLengthPolicy):  # timing-independent, so the test is reproducible
+        def observe(self, drafted, accepted, draft_seconds, step_seconds):
+            super().observe(drafted, accepted, None, None)
+
+    new_tokens = 4  # up to two drafted positions per round
+    drafter = peaked_drafter("dfly", target)
+    drafter.config.draft_length = "auto"
+    policy = LearnedAcceptanceFixedCosts(RoundCosts((0.05, 0.001), (0.0, 0.006)), drafter.num_draft_tokens)
+    drafter.draft_policy = lambda target, cache_dir=None: policy  # one policy learning across all calls
+    exact = exact_distribution(target, new_tokens, **PROCESSING)
+    samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=4)
+    assert rounds < proposed < 2 * rounds  # the policy drafted one token in some rounds, two in others
+    assert 0 < accepted < proposed
+    right = _fit(samples, exact)
+    with monkeypatch.context() as patch:
+        _correction_from_p(patch)
+        wrong_samples, _ = hook_samples(target, drafter, new_tokens, seed=5)
+    wrong = {"correction from p": _fit(wrong_samples, exact)}
+    report(f"hook dfly, draft_length=auto, {DRAWS} draws, {rounds} rounds, {proposed} drafted, {accepted} accepted",
+           right, **wrong)
+    assert_power(right, wrong)

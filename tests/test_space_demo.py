@@ -110,7 +110,9 @@ def test_trained_drafters_keep_their_block_and_mtp_is_capped(space, tmp_path, mo
     """Saved drafters stand in for trained ones (as a Space's `drafters/` folder): DFly keeps its trained block, the
     MTP drafter's steps are capped by the block size control, and the text is still the target's."""
     _, tokenizer, reference, target = space
-    MTPDrafter.from_target(target, num_draft_tokens=4).save_pretrained(tmp_path / "smollm2-135m-instruct-mtp")
+    # whole blocks (`draft_length="full"`), so the cap is what limits each round, whatever this machine's timing
+    MTPDrafter.from_target(target, num_draft_tokens=4, draft_length="full").save_pretrained(
+        tmp_path / "smollm2-135m-instruct-mtp")
     DFlyDrafter.from_target(target, block_size=6).save_pretrained(tmp_path / "smollm2-135m-instruct-dfly")
     monkeypatch.setattr(app, "SPACE_DRAFTERS", tmp_path)
     monkeypatch.setattr(app, "shipped_drafter_path", lambda family: None)  # only the stand-ins count here

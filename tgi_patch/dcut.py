@@ -3,16 +3,15 @@ and what verifying costs on this hardware (a cost model profiled at start-up and
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from angelspec_hf.modeling.draft_policy import default_cache_dir, hardware_key  # one key for every cost model
 
 
 class AcceptanceCalibrator:
@@ -112,21 +111,6 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         return cls(tuple(data["verify_coef"]), tuple(data["draft_coef"]), data.get("samples", []), data.get("key", ""))
-
-
-def hardware_key(model, drafter=None) -> str:
-    """Which cost model applies: the models' configs and dtypes, the device and the CPU threads."""
-    device = next(model.parameters()).device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}"
-    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), str(device.type), name,
-             str(torch.get_num_threads()), torch.__version__]
-    if drafter is not None:
-        parts += [drafter.config.to_json_string(use_diff=False), str(drafter.dtype)]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ANGELSPEC_CACHE", Path.home() / ".cache" / "angelspec")) / "cost_models"
 
 
 def _fit(features: list[list[float]], times: list[float]) -> tuple[float, ...]:

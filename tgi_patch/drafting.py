@@ -22,7 +22,7 @@ class BatchDrafter:
             raise TypeError(f"the batched engine drafts with AngelSpec drafters, not {type(drafter).__name__}")
         self.drafter = drafter
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.lm_head = drafter.draft_lm_head(target.get_output_embeddings())  # pruned rows, if any
         c = drafter.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.pool = PagedKVPool(c.num_hidden_layers, c.num_key_value_heads, head_dim, drafter.dtype, drafter.device,

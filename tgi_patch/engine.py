@@ -258,7 +258,8 @@ class SpeculativeEngine:
 
         # 2. choose what to verify
         base_tokens = sum(len(r.prompt) for r in requests[:n_pre]) + n_dec
-        depth = self._select(conf, num_drafted, len(order), base_tokens, n_dec, trace)
+        sampled = torch.tensor([r.params.do_sample for r in requests], device=dev)
+        depth = self._select(conf, num_drafted, len(order), base_tokens, n_dec, trace, sampled)
 
         # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
         new = torch.cat([torch.tensor([len(r.prompt) for r in requests[:n_pre]], dtype=torch.long, device=dev),
@@ -411,19 +412,41 @@ class SpeculativeEngine:
         def select(logits, j):
             if all_greedy:
                 probs = torch.softmax(logits.float(), -1)
-                conf, token = probs.max(-1)
-                return token, None, conf
+                token = probs.argmax(-1)
+                return token, None, self.draft_confidence(probs, token)
             probs = self._process(logits, requests, 1)
             sampled = sample_from(probs, uniforms(seeds, gen_pos + j, DRAFT))
             token = torch.where(greedy, logits.argmax(-1), sampled)
             greedy_probs = torch.softmax(logits.float(), -1)
-            conf = torch.where(greedy, greedy_probs.max(-1).values, probs.gather(1, token[:, None]).squeeze(1))
+            conf = torch.where(greedy, self.draft_confidence(greedy_probs, token), self.draft_confidence(probs, token))
             return token, probs, conf
 
         anchors = self.anchor[slots]
         return self.batch_drafter.draft(slots, features, next_ids, new, anchors, k, select)
 
-    def _select(self, conf, num_drafted, rows, base_tokens, n_dec, trace) -> torch.Tensor:
+    # ---- D-Cut, and why it stays exact for sampled requests ------------------------------------------------------
+    # Rejection sampling (Leviathan et al.) emits a token distributed as the target's p at draft position k only if the
+    # draft token d_k is distributed as q_k *given that position k is verified*. So whether k is verified may depend
+    # on anything known before d_k is drawn (the drafted prefix d_<k, the drafter's distribution q_k, calibrated
+    # statistics, other requests' drafts, which use their own random streams) but never on d_k or later tokens. The
+    # two rules below keep that: the confidence of position k is a function of q_k alone (`draft_confidence`), and in
+    # "auto" mode a sampled request verifies every position whose survival clears a threshold planned without its
+    # own later positions (`plan_acceptance`). Ranking by q(d_k) — the probability of the token actually drawn — made
+    # verification favour tokens the drafter over-proposes and skewed the output (issue 11). Greedy requests have no
+    # randomness to bias and keep every signal. Fixed budgets are exact as they are: with draft-independent keys a
+    # position is chosen when fewer than `budget` keys rank above it, and a row's later keys never rank above it.
+
+    def draft_confidence(self, probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """D-Cut's confidence `[B]` in a drafted position: the peak of the drafter's distribution `probs [B, V]` there
+        (for a greedy row, the probability of its argmax draft `token`; for a sampled row known before drawing)."""
+        return probs.max(-1).values
+
+    def plan_acceptance(self, accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """The acceptance probabilities `[B, K]` "auto" mode plans the step with: a sampled row's own positions after
+        the first depend on its drawn tokens, so it is planned as if every position were as likely as its first."""
+        return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
+
+    def _select(self, conf, num_drafted, rows, base_tokens, n_dec, trace, sampled) -> torch.Tensor:
         if conf is None or conf.shape[1] == 0:
             return torch.zeros_like(num_drafted)
         accept = self.calibrator(conf)
@@ -438,9 +461,16 @@ class SpeculativeEngine:
             cost = self.cost_model
             max_extra = int(num_drafted.sum())
             costs = cost.step_costs(rows, base_tokens, max_extra, drafted=True, device=conf.device)
-            depth, survival, chosen = kernels.dcut_select(accept, num_drafted, max_extra, costs, float(n_dec))
+            plan = self.plan_acceptance(accept, sampled)
+            depth, planned, chosen = kernels.dcut_select(plan, num_drafted, max_extra, costs, float(n_dec))
+            ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
+            valid = ar < num_drafted[:, None]
+            survival = torch.where(valid, torch.cumprod(accept.float(), 1), torch.zeros((), device=valid.device))
+            # sampled rows: every position whose survival clears the plan's lowest chosen survival (none: +inf)
+            threshold = torch.where(ar < depth[:, None], planned, torch.full_like(planned, float("inf"))).amin()
+            depth = torch.where(sampled, ((survival >= threshold) & valid).sum(1), depth)
             # Would plain decoding (no drafting at all) have done better? Then skip drafting for a while.
-            gain = float(n_dec + (survival.reshape(-1).sort(descending=True).values[: int(chosen)].sum()))
+            gain = float(n_dec + (planned.reshape(-1).sort(descending=True).values[: int(chosen)].sum()))
             speculative_rate = gain / float(costs[int(chosen)])
             plain_rate = n_dec / cost.verify(rows, base_tokens)
             if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing

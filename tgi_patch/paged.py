@@ -43,6 +43,46 @@ class PagedKVPool:
     def tokens_allocated(self) -> int:
         return sum(self.num_pages) * self.page_size
 
+    @property
+    def total_pages(self) -> int:
+        """Pages in the pool, the reserved page 0 included."""
+        return self.k.shape[1] // self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def check_accounting(self, idle: bool = False) -> None:
+        """Raise `AssertionError` unless every page but the reserved page 0 is either owned by exactly one slot or in
+        `free_pages` exactly once (never both, never neither), and each slot's length fits in the pages it owns.
+        `idle=True` (no sequence held) also requires every slot to own nothing, and every page to be free."""
+        problems = []
+        owned: list[int] = []
+        table = self.page_table.tolist()
+        lengths = self.lengths.tolist()
+        for slot, count in enumerate(self.num_pages):
+            row = table[slot]
+            owned += row[:count]
+            if any(row[count:]):
+                problems.append(f"slot {slot} has page-table entries beyond its {count} pages: {row[count:]}")
+            if lengths[slot] > count * self.page_size:
+                problems.append(f"slot {slot} holds {lengths[slot]} tokens in {count} pages of {self.page_size}")
+            if idle and (count or lengths[slot]):
+                problems.append(f"slot {slot} still owns {count} pages / {lengths[slot]} tokens while idle")
+        valid = set(range(1, self.total_pages))
+        for name, pages in (("owned", owned), ("free", self.free_pages)):
+            if len(set(pages)) != len(pages):
+                problems.append(f"a page is {name} twice: {sorted(p for p in set(pages) if pages.count(p) > 1)}")
+            if not set(pages) <= valid:
+                problems.append(f"{name} pages outside 1..{self.total_pages - 1}: {sorted(set(pages) - valid)}")
+        if set(owned) & set(self.free_pages):
+            problems.append(f"pages both owned and free: {sorted(set(owned) & set(self.free_pages))}")
+        lost = valid - set(owned) - set(self.free_pages)
+        if lost:
+            problems.append(f"pages neither owned nor free (leaked): {sorted(lost)}")
+        if problems:
+            raise AssertionError("PagedKVPool accounting: " + "; ".join(problems))
+
     def _grow(self, min_free: int) -> None:
         old = self.k.shape[1] // self.page_size
         new = max(2 * old, old + min_free)

@@ -163,6 +163,10 @@ def export_zlab_dflash(drafter: DFlashDrafter, folder) -> Path:
     plus `model.safetensors` under the same weight names. It loads back through `load_foreign_checkpoint`."""
     if type(drafter) is not DFlashDrafter:
         raise ValueError(f"only DFlashDrafter has a z-lab layout, not {type(drafter).__name__}")
+    if drafter.config.draft_vocab_size is not None:
+        raise ValueError(
+            f"z-lab's DFlash layout has no draft vocabulary map: this drafter drafts over {drafter.config.draft_vocab_size} "
+            f"of {drafter.config.vocab_size} tokens. Export a copy over the whole vocabulary (drafter.set_draft_vocab(None)).")
     c = drafter.config
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

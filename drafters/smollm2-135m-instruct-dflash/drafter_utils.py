@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 from .candidate_generator import AngelSpecCandidateGenerator, install_generate_hook
+from .draft_policy import DraftLengthPolicy, hardware_key, load_or_profile_round_costs
 
 
 @dataclass
@@ -31,6 +33,29 @@ class DrafterOutput(ModelOutput):
     last_hidden_state: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     cache: object | None = None
+
+
+class PrunedLMHead(nn.Module):
+    """The target's LM head restricted to a drafter's vocabulary subset `ids`: `forward` returns logits over the full
+    vocabulary, `-inf` outside the subset, so a token outside has draft probability 0 and every consumer (logits
+    processors, greedy match, rejection sampling with q = 0 there) works unchanged. Only `len(ids)` rows are computed."""
+
+    def __init__(self, lm_head: nn.Module, ids: torch.LongTensor):
+        super().__init__()
+        weight = lm_head.weight.detach()
+        if int(ids.max()) >= weight.shape[0] or int(ids.min()) < 0:
+            raise ValueError(f"draft vocabulary ids reach {int(ids.max())}, outside the target's vocabulary "
+                             f"({weight.shape[0]})")
+        self.ids = ids.to(weight.device)
+        self.weight = weight[self.ids]  # [V_draft, H], gathered once
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias.detach()[self.ids]
+        self.vocab_size = weight.shape[0]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        sub = nn.functional.linear(hidden, self.weight, self.bias)  # [..., V_draft]
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, sub)  # [..., V]
 
 
 @dataclass
@@ -63,12 +88,45 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
 
     base_model_prefix = "drafter"
     main_input_name = "context_hidden_states"
-    supports_transformers_dflash = False
+    _transformers_dflash_layout = False  # DFlash's: the drafter output goes straight into the target's LM head
 
     def __init__(self, config):
         super().__init__(config)
         install_generate_hook()
         self.last_speculation_stats = None
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
+
+    # ---- the draft vocabulary ------------------------------------------------------------------------------------
+    def set_draft_vocab(self, ids) -> None:
+        """Restrict drafting to the target token ids `ids` (sorted, deduplicated); `None` restores the whole
+        vocabulary. Saved with the weights (`draft_vocab_ids`) and in the config (`draft_vocab_size`)."""
+        self._draft_heads = {}
+        if ids is None:
+            self.config.draft_vocab_size = None
+            self._buffers.pop("draft_vocab_ids", None)
+            return
+        ids = torch.unique(torch.as_tensor(ids, dtype=torch.long))
+        if len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be non-empty and in [0, {self.config.vocab_size})")
+        self.config.draft_vocab_size = len(ids)
+        self.register_buffer("draft_vocab_ids", ids.to(self.device), persistent=True)
+
+    @property
+    def supports_transformers_dflash(self) -> bool:
+        return self._transformers_dflash_layout and self.config.draft_vocab_size is None
+
+    def draft_lm_head(self, lm_head: nn.Module) -> nn.Module:
+        """The head drafting uses: `lm_head` itself, or its rows for the pruned draft vocabulary (gathered once per
+        head and weight version)."""
+        if self.config.draft_vocab_size is None:
+            return lm_head
+        key = (id(lm_head), lm_head.weight.data_ptr(), lm_head.weight._version)
+        heads = getattr(self, "_draft_heads", None) or {}
+        if key not in heads:
+            heads = {key: PrunedLMHead(lm_head, self.draft_vocab_ids)}  # one target at a time
+            self._draft_heads = heads
+        return heads[key]
 
     # ---- building ------------------------------------------------------------------------------------------------
     @classmethod
@@ -98,6 +156,17 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
 
     def get_candidate_generator(self, target, input_ids, generation_config, logits_processor=None):
         return AngelSpecCandidateGenerator(self, target, input_ids, generation_config, logits_processor)
+
+    def draft_policy(self, target, cache_dir=None) -> DraftLengthPolicy:
+        """The `generate()` hook's draft-length policy for `target` on this hardware: round costs profiled once and
+        cached (`draft_policy.py`), acceptance learned across calls. Kept on the drafter, one per target/hardware."""
+        key = hardware_key(target, self)
+        policy = getattr(self, "_draft_policies", {}).get(key)
+        if policy is None:
+            costs = load_or_profile_round_costs(target, self, cache_dir)
+            policy = DraftLengthPolicy(costs, self.num_draft_tokens)
+            self._draft_policies = {key: policy}  # a new target or machine replaces the old one
+        return policy
 
     @property
     def num_draft_tokens(self) -> int:

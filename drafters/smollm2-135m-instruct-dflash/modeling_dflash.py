@@ -73,7 +73,7 @@ class DFlashDrafter(DrafterPreTrainedModel):
     config_class = DFlashConfig
     config: DFlashConfig
     _no_split_modules = ["DFlashDecoderLayer"]
-    supports_transformers_dflash = True
+    _transformers_dflash_layout = True
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)

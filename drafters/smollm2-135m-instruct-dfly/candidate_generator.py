@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +30,15 @@ BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, budget=...)
 
 @dataclass
 class SpeculationStats:
-    """What one `generate()` call did: per verification round, how many draft tokens were proposed and accepted."""
+    """What one `generate()` call did, per verification round: how many draft tokens were proposed and accepted, the
+    drafted token ids and the drafter's (processed) probability of each."""
 
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: list[list[float]] = field(default_factory=list)
+    plain_steps: int = 0  # target forwards without a draft (`draft_length="auto"` found drafting would not pay)
+    draft_seconds: float = 0.0  # time spent drafting (the drafter's forwards and token choices)
 
     @property
     def rounds(self) -> int:
@@ -64,12 +70,22 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         drafter.check_target(target)
         self.drafter = drafter
         self.target_embeddings = target.get_input_embeddings()
-        self.target_lm_head = target.get_output_embeddings()
+        self.target_lm_head = drafter.draft_lm_head(target.get_output_embeddings())  # pruned rows, if any
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
-        self.stop_threshold = float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
+        # "auto": a cost-aware number of draft tokens per round (none when drafting does not pay); "full": whole
+        # blocks, cut by the fixed confidence threshold when one is set. Either way sampling stays exact: whether
+        # position j + 1 is drafted (and so verified) is decided after the token at j is drawn, never from the token
+        # at j + 1, and whether a round drafts at all from earlier rounds only.
+        auto = getattr(drafter.config, "draft_length", "auto") == "auto"
+        self.policy = drafter.draft_policy(target) if auto else None
+        self.stop_threshold = 0.0 if auto else float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
         self._survival = 1.0
+        self._max_tokens, self._round_probs = 0, []
+        self._pending: list[torch.Tensor] = []  # target features kept from plain rounds, not yet given to the drafter
+        self._pending_length = 0
+        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None}
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.state = drafter.new_draft_state()
         self.stats = SpeculationStats()
@@ -87,7 +103,11 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             token = torch.multinomial(probs, num_samples=1).squeeze(-1)
         else:
             token = logits.argmax(dim=-1)
-        self._survival = self._survival * float(probs[0, token[0]])
+        chosen = float(probs[0, token[0]])
+        self._round_probs.append(chosen)
+        if self.policy is not None:
+            return logits, token, not self.policy.keep_drafting(float(probs.max()), self._max_tokens)
+        self._survival = self._survival * chosen
         return logits, token, self._survival < self.stop_threshold
 
     @torch.no_grad()
@@ -98,12 +118,23 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             raise ValueError("AngelSpec drafting needs the target's hidden states from the previous forward")
         drafter_device = self.drafter.device
         # Tokens whose target features are new: everything accepted since the last call, the anchor excluded.
-        num_new = input_ids.shape[1] - 1 - self.state.context_length
+        num_new = input_ids.shape[1] - 1 - self.state.context_length - self._pending_length
         context = torch.cat(
             [model_outputs.hidden_states[i + 1][:, :num_new] for i in self.drafter.config.target_layer_ids], dim=-1
         ).to(drafter_device)
         num_tokens = max(0, min(self.drafter.num_draft_tokens, self.max_length - input_ids.shape[1] - 1))
-        self._survival = 1.0
+        self._survival, self._max_tokens, self._round_probs = 1.0, num_tokens, []
+        self._round.update(drafted=0, draft_seconds=None)
+        if self.policy is not None and not self.policy.start_round(num_tokens):
+            self._pending.append(context)  # a plain step: the drafter reads these features when it next drafts
+            self._pending_length += num_new
+            self.stats.plain_steps += int(num_tokens > 0)
+            self._round["returned_at"] = time.perf_counter()
+            return input_ids, None
+        if self._pending:
+            context = torch.cat(self._pending + [context], dim=1)
+            self._pending, self._pending_length = [], 0
+        start = time.perf_counter()
         draft_ids, draft_logits = self.drafter.propose(
             self.state,
             context_hidden_states=context,
@@ -113,13 +144,23 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             lm_head=self.target_lm_head,
             select=self._select,
         )
+        self._round.update(drafted=draft_ids.shape[1], draft_seconds=time.perf_counter() - start)
+        self.stats.draft_seconds += self._round["draft_seconds"]
         if num_tokens == 0:
             return input_ids, None
         self.stats.proposed.append(draft_ids.shape[1])
+        self.stats.drafts.append(draft_ids[0].tolist())
+        self.stats.draft_probs.append(self._round_probs)
         candidates = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
+        self._round["returned_at"] = time.perf_counter()
         return candidates, draft_logits.to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
+        returned_at = self._round["returned_at"]
+        if self.policy is not None and returned_at is not None:  # the target forward and verification just timed
+            self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
+                                time.perf_counter() - returned_at)
+        self._round["returned_at"] = None
         if len(self.stats.accepted) < len(self.stats.proposed):
             self.stats.accepted.append(int(num_matches))
 
@@ -149,7 +190,8 @@ def install_generate_hook() -> None:
             if generation_config.speculation_type == "dflash" and not drafter.supports_transformers_dflash:
                 raise ValueError(
                     f"speculation_type='dflash' runs transformers' built-in DFlash drafting, which "
-                    f"{type(drafter).__name__} does not fit; drop speculation_type to use its own generator."
+                    f"{type(drafter).__name__} does not fit (only a DFlash drafter over the whole vocabulary does); "
+                    f"drop speculation_type to use its own generator."
                 )
         return original_validate(*bound.args, **bound.kwargs)
 

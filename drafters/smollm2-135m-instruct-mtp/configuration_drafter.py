@@ -40,6 +40,16 @@ class DrafterConfig(Qwen3Config):
         `generate()` hook: stop drafting a round once the product of the drafter's probabilities of its chosen
         tokens falls below this value (at least one token is always drafted). Fewer hopeless tokens means cheaper
         drafting and verification; 0 drafts the whole block. Output is unaffected (the target still verifies).
+        Only read with `draft_length="full"`: `"auto"` subsumes it (it cuts by cost, not by a fixed confidence).
+    draft_length (`str`, *optional*, defaults to `"auto"`):
+        `generate()` hook: `"auto"` drafts, per round, only the tokens expected to pay for their drafting and
+        verification on this machine, and none (a plain step) when drafting does not pay (`draft_policy.py`);
+        `"full"` drafts the whole block (cut by `draft_stop_threshold` when set). Output is unaffected either way.
+    draft_vocab_size (`int`, *optional*):
+        Size of a pruned draft vocabulary (EAGLE-3's `d2t`, FR-Spec): the drafter scores only these target token
+        ids, stored in the weights as `draft_vocab_ids`, with the matching rows of the target's LM head, so each
+        draft token costs a fraction of the full LM head. Tokens outside get draft probability 0; verification is
+        unchanged, so output stays exact. `None`: the whole vocabulary. Set with `drafter.set_draft_vocab(ids)`.
     """
 
     model_type = "angelspec_drafter"
@@ -48,6 +58,8 @@ class DrafterConfig(Qwen3Config):
     num_target_layers: int | None = None
     target_model_type: str | None = None
     draft_stop_threshold: float = 0.0
+    draft_length: str = "auto"
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -58,6 +70,10 @@ class DrafterConfig(Qwen3Config):
             raise ValueError("target_layer_ids must name at least one target layer")
         if not 0.0 <= self.draft_stop_threshold < 1.0:
             raise ValueError(f"draft_stop_threshold must be in [0, 1), got {self.draft_stop_threshold}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
+        if self.draft_length not in ("auto", "full"):
+            raise ValueError(f"draft_length must be 'auto' or 'full', got {self.draft_length!r}")
         if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids must be distinct non-negative layer indices, got {ids}")
         if self.num_target_layers is not None and max(ids) >= self.num_target_layers:

@@ -44,7 +44,7 @@ class DFlyARHead(nn.Module):
 class DFlyDrafter(DFlashDrafter):
     config_class = DFlyConfig
     config: DFlyConfig
-    supports_transformers_dflash = False  # the AR head sits between the backbone and the LM head
+    _transformers_dflash_layout = False  # the AR head sits between the backbone and the LM head
 
     def _build_extra_modules(self, config: DFlyConfig) -> None:
         num_layers, num_features = config.num_hidden_layers, len(config.target_layer_ids)

@@ -1,0 +1,262 @@
+"""How many tokens to draft in a `generate()` round: as many as pay for themselves, possibly none.
+
+A round that drafts `k` tokens costs `draft(k) + step(1 + k)` seconds and yields `1 + accepted` tokens; a plain step
+costs `step(1)` and yields one. `DraftLengthPolicy` drafts the next token only while its expected gain per second beats
+the round's expected tokens per second so far, and skips drafting altogether (a plain step) when no block is expected
+to beat plain decoding — so speculative `generate` is not slower than plain `generate` with a drafter that does not
+help, and better drafters turn directly into longer rounds.
+
+* Costs (`RoundCosts`): `step(n) = a + b·n` for a target forward over `n` new tokens with its verification, and
+  `draft(k) = c0 + c1·k`. Profiled once per target, drafter, dtype, device and thread count (`profile_round_costs`,
+  cached as JSON under `~/.cache/angelspec/cost_models`, like the batched engine's cost model), then refined online
+  from the rounds actually timed.
+* Acceptance (`PositionCalibrator`): the probability that draft position `j` is accepted given that the positions
+  before it were, as a function of the drafter's confidence there (the peak of its distribution), per position,
+  learned from the verification outcomes. The confidence is known before the token at `j` is drawn, and every
+  decision about position `j + 1` is taken after position `j` was drawn, so sampling stays exact.
+
+The state lives on the drafter (`drafter.draft_policy`), so what one `generate` call learned serves the next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def hardware_key(model, drafter=None) -> str:
+    """Which measured costs apply: the models' configs and dtypes, the device and the CPU threads."""
+    device = next(model.parameters()).device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), str(device.type), name,
+             str(torch.get_num_threads()), torch.__version__]
+    if drafter is not None:
+        parts += [drafter.config.to_json_string(use_diff=False), str(drafter.dtype)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ANGELSPEC_CACHE", Path.home() / ".cache" / "angelspec")) / "cost_models"
+
+
+def _moments(x: float, y: float, w: float) -> torch.Tensor:
+    return w * torch.tensor([1.0, x, x * x, y, x * y], dtype=torch.float64)  # w, w·x, w·x², w·y, w·x·y
+
+
+class LinearFit:
+    """`y ≈ a + b·x` by exponentially weighted least squares (recent rounds count most), started from a prior line
+    worth `prior_weight` observations (at x = 1 and x = `prior_span`) whose weight fades as data arrive (× `prior_fade`
+    per observation), so early rounds at one x never give a wild slope and a stale profile does not linger."""
+
+    def __init__(self, a: float, b: float, prior_weight: float = 4.0, prior_span: float = 8.0, decay: float = 0.99,
+                 prior_fade: float = 0.9):
+        self.decay, self.prior_fade = decay, prior_fade
+        self.prior = _moments(1.0, a + b, prior_weight / 2) + _moments(prior_span, a + b * prior_span, prior_weight / 2)
+        self.data = torch.zeros(5, dtype=torch.float64)
+
+    def add(self, x: float, y: float) -> None:
+        self.data = self.data * self.decay + _moments(float(x), float(y), 1.0)
+        self.prior = self.prior * self.prior_fade
+
+    @property
+    def coef(self) -> tuple[float, float]:
+        n, sx, sxx, sy, sxy = (self.data + self.prior).tolist()
+        det = n * sxx - sx * sx
+        b = (n * sxy - sx * sy) / det if det > 1e-12 else 0.0
+        b = max(b, 0.0)  # a cost never falls with more tokens
+        return (sy - b * sx) / n, b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coef
+        return max(a + b * x, 1e-6)
+
+
+@dataclass
+class RoundCosts:
+    """Seconds: `step(n) = a + b·n` (target forward + verification over n new tokens), `draft(k) = c0 + c1·k`."""
+
+    step_coef: tuple[float, float]
+    draft_coef: tuple[float, float]
+    key: str = ""
+
+    def to_dict(self) -> dict:
+        return {"step_coef": list(self.step_coef), "draft_coef": list(self.draft_coef), "key": self.key}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RoundCosts:
+        return cls(tuple(data["step_coef"]), tuple(data["draft_coef"]), data.get("key", ""))
+
+
+@torch.no_grad()
+def profile_round_costs(target, drafter, context: int = 64, repeats: int = 3) -> RoundCosts:
+    """Time batch-1 target forwards over 1 and `K + 1` new tokens after a `context`-token prefix, and the drafter
+    proposing 1 and `K` tokens from that context."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    vocab = target.config.get_text_config().vocab_size
+    k = drafter.num_draft_tokens
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (1, context + k + 1), generator=generator).to(device)
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=ids[:, :context], cache=cache, use_cache=True, output_hidden_states=layers)
+    features = torch.cat([out.hidden_states[i] for i in layers], -1)
+
+    def timed_step(n):
+        start = time.perf_counter()
+        target(input_ids=ids[:, context : context + n], cache=cache, use_cache=True, output_hidden_states=layers)
+        seconds = time.perf_counter() - start
+        cache.crop(-n)
+        return seconds
+
+    def timed_draft(n):
+        state = drafter.new_draft_state()
+
+        def select(logits, prefix):
+            return logits.float(), logits.argmax(-1), False
+
+        start = time.perf_counter()
+        drafter.propose(state, features.to(drafter.device), ids[:, : context + 1].to(drafter.device), n,
+                        target.get_input_embeddings(), drafter.draft_lm_head(target.get_output_embeddings()), select)
+        return time.perf_counter() - start
+
+    timed_step(1), timed_draft(1)  # warm-up
+    step = [statistics.median(timed_step(n) for _ in range(repeats)) for n in (1, k + 1)]
+    draft = [statistics.median(timed_draft(n) for _ in range(repeats)) for n in (1, k)]
+    b = max(step[1] - step[0], 0.0) / max(k, 1)
+    c1 = max(draft[1] - draft[0], 0.0) / max(k - 1, 1)
+    return RoundCosts((step[0] - b, b), (max(draft[0] - c1, 0.0), c1))
+
+
+def load_or_profile_round_costs(target, drafter, cache_dir=None) -> RoundCosts:
+    """The cached round costs for these models on this hardware, profiled (and cached) when absent."""
+    key = hardware_key(target, drafter)
+    path = Path(cache_dir or default_cache_dir()) / f"hook-{key}.json"
+    if path.is_file():
+        try:
+            return RoundCosts.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache file is measured again
+    costs = profile_round_costs(target, drafter)
+    costs.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(costs.to_dict(), indent=1))
+    tmp.replace(path)
+    return costs
+
+
+class PositionCalibrator:
+    """P(draft position j accepted | positions < j accepted), binned by the drafter's confidence, one table per
+    position. Each cell starts at a prior (`prior_weight` pseudo-observations at the bin's confidence, scaled by
+    `prior_scale`: drafters are usually over-confident) and moves to the observed rate."""
+
+    def __init__(self, num_positions: int, num_bins: int = 10, prior_weight: float = 2.0, prior_scale: float = 0.7,
+                 prior_mean: float = 0.5):
+        self.num_bins = num_bins
+        centers = (torch.arange(num_bins, dtype=torch.float64) + 0.5) / num_bins
+        self.trials = torch.full((num_positions, num_bins), prior_weight, dtype=torch.float64)
+        self.accepted = (prior_scale * centers).expand(num_positions, -1) * prior_weight
+        # per position, over all confidences (observations only; `mean` adds the prior)
+        self.prior_mean, self.prior_weight = prior_mean, prior_weight
+        self.position_trials = torch.zeros(num_positions, dtype=torch.float64)
+        self.position_accepted = torch.zeros(num_positions, dtype=torch.float64)
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(max(confidence, 0.0) * self.num_bins), self.num_bins - 1)
+
+    def __call__(self, position: int, confidence: float) -> float:
+        j, b = min(position, self.trials.shape[0] - 1), self._bin(confidence)
+        return float(self.accepted[j, b] / self.trials[j, b])
+
+    def mean(self, position: int) -> float:
+        """Acceptance rate at `position` over every confidence seen. Its prior is the rate of the position before
+        (`prior_mean` for the first), so a position never drafted yet is expected to do as well as the last one."""
+        rate = self.prior_mean
+        for j in range(min(position, self.trials.shape[0] - 1) + 1):
+            rate = float((self.position_accepted[j] + self.prior_weight * rate) / (self.position_trials[j] + self.prior_weight))
+        return rate
+
+    def update(self, confidences: list[float], num_accepted: int) -> None:
+        """One verified round: the drafted positions' confidences and how many were accepted."""
+        for j, conf in enumerate(confidences[: num_accepted + 1]):  # after a rejection nothing more is learned
+            j_, b = min(j, self.trials.shape[0] - 1), self._bin(conf)
+            self.trials[j_, b] += 1
+            self.accepted[j_, b] += float(j < num_accepted)
+            self.position_trials[j_] += 1
+            self.position_accepted[j_] += float(j < num_accepted)
+
+
+class DraftLengthPolicy:
+    """Per-round draft length for the batch-1 hook (see the module docstring)."""
+
+    def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64):
+        self.step = LinearFit(*costs.step_coef, prior_span=max_tokens + 1)
+        self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
+        self.calibrator = PositionCalibrator(max_tokens)
+        self.max_tokens = max_tokens
+        self.probe_every, self.max_backoff = probe_every, max_backoff
+        self.backoff, self.plain_left, self.probe_due = probe_every, 0, False
+        self._round: list[float] = []
+        self._survival = self._expected = 1.0
+
+    # ---- the decisions -----------------------------------------------------------------------------------------
+    def expected_rate(self, k: int) -> float:
+        """Expected tokens per second of a round drafting `k` tokens, from the mean acceptance per position."""
+        survival, tokens = 1.0, 1.0
+        for j in range(k):
+            survival *= self.calibrator.mean(j)
+            tokens += survival
+        return tokens / ((self.draft(k) if k else 0.0) + self.step(1 + k))
+
+    def start_round(self, max_tokens: int) -> bool:
+        """Draft this round? No when no block length is expected to beat a plain step; after such a verdict drafting
+        is retried (a probe) after `backoff` plain steps, the wait doubling while drafting keeps losing."""
+        self._round, self._survival, self._expected = [], 1.0, 1.0
+        if max_tokens < 1:
+            return False
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return False
+        if self.probe_due:  # a probe keeps the acceptance estimates current while drafting does not pay
+            self.probe_due = False
+            return True
+        if max(self.expected_rate(k) for k in range(1, max_tokens + 1)) > self.expected_rate(0):
+            self.backoff = self.probe_every
+            return True
+        self.plain_left, self.probe_due = self.backoff - 1, True
+        self.backoff = min(2 * self.backoff, self.max_backoff)
+        return False
+
+    def keep_drafting(self, confidence: float, max_tokens: int) -> bool:
+        """After drafting one more position with `confidence` (the peak of the drafter's distribution there): is the
+        next position worth drafting and verifying?"""
+        j = len(self._round)
+        self._round.append(confidence)
+        self._survival *= self.calibrator(j, confidence)
+        self._expected += self._survival
+        k = j + 1
+        if k >= max_tokens:
+            return False
+        cost = self.draft(k) + self.step(1 + k)
+        marginal_cost = self.draft(k + 1) + self.step(2 + k) - cost
+        marginal_gain = self._survival * self.calibrator.mean(k)
+        return marginal_gain * cost > self._expected * marginal_cost
+
+    # ---- what happened -------------------------------------------------------------------------------------------
+    def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None) -> None:
+        if drafted:
+            self.calibrator.update(self._round[:drafted], accepted)
+            if draft_seconds is not None:
+                self.draft.add(drafted, draft_seconds)
+        if step_seconds is not None:
+            self.step.add(1 + drafted, step_seconds)

@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Mutation check of the lossless guarantee (issue 11): apply each known-wrong rule, alone, to a scratch copy of the
+repository, run the tests named for it, and report whether they caught it. Exit status 1 if any mutation survives
+(or a named test is missing, or the unmutated copy does not pass its tests).
+
+    .venv/bin/python scripts/mutation_check.py            # everything (several minutes on 2 cores)
+    .venv/bin/python scripts/mutation_check.py --only temperature --keep
+
+Each mutation is a literal `old -> new` text replacement that must match exactly once in the copy: when the code it
+targets has moved the script fails loudly instead of reporting a vacuous "survived" or "caught".
+
+The scratch copy holds the working tree's tracked files and untracked, not ignored ones (`git ls-files -co
+--exclude-standard`), as they are on disk. The package is installed editable from the real checkout, so the copy is
+put first on PYTHONPATH, laid out as pyproject.toml's `package-dir` says (symlinks inside its `angelspec_hf/`); the
+script checks that every `angelspec_hf` module the tests import resolves inside the copy, and a sanity
+mutation (an exception in the engine) must be caught before anything else is believed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ENGINE_SAMPLING = "tests/test_engine.py::test_sampling_is_exact_in_every_verify_mode_with_power"
+REFERENCE_LAW = "tests/test_kernels.py::test_reference_verify_keeps_the_target_distribution_with_power"
+TRITON_LAW = "tests/test_kernels.py::test_triton_verify_keeps_the_target_distribution_with_power"
+EQUIVALENCE = "tests/test_drafting_equivalence.py"
+
+
+@dataclass
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+    note: str = "issue 11"  # "issue 11": a blind spot the issue listed; "record": caught before, kept for the record
+    result: dict = field(default_factory=dict)
+
+
+MUTATIONS = [
+    Mutation("sanity: the engine raises (proves the scratch copy is what runs)", "tgi_patch/engine.py",
+             "        return probs.max(-1).values\n",
+             "        raise RuntimeError('mutation_check sanity mutation')\n",
+             ["tests/test_engine.py::test_draft_confidence_does_not_look_at_the_drafted_token"], note="sanity"),
+    # ---- issue 11's blind spots ------------------------------------------------------------------------------------
+    Mutation("engine ignores temperature", "tgi_patch/engine.py",
+             "[r.params.temperature if r.params.do_sample else 1.0 for r in requests]",
+             "[1.0 for r in requests]",
+             [f"{ENGINE_SAMPLING}[full-T0.7-topk-topp]", f"{ENGINE_SAMPLING}[depth:1-T0.7-topp]"]),
+    Mutation("engine draft q without temperature/top-k/top-p (drawn from and reported raw: lossless, not as asked)",
+             "tgi_patch/engine.py",
+             "            probs = self._process(logits, requests, 1)\n",
+             "            probs = torch.softmax(logits.float(), -1)\n",
+             ["tests/test_engine.py::test_verification_sees_the_processed_drafter_distribution",
+              f"{EQUIVALENCE}::test_sampled_draft_distribution_equals_the_hooks"]),
+    Mutation("engine draft q without temperature/top-k/top-p (drawn processed, reported raw: lossy)",
+             "tgi_patch/engine.py",
+             "            return token, probs, conf\n",
+             "            return token, torch.softmax(logits.float(), -1), conf\n",
+             [f"{ENGINE_SAMPLING}[full-T0.7-topk-topp]", f"{ENGINE_SAMPLING}[depth:2-T0.7]"]),
+    Mutation("reference.verify: correction from p instead of norm(max(p - q, 0))", "tgi_patch/reference.py",
+             "p = torch.where(use_residual[:, None], residual, p)",
+             "p = torch.where(use_residual[:, None], p, p)",
+             [REFERENCE_LAW, f"{ENGINE_SAMPLING}[full-T1]"]),
+    Mutation("triton_kernels.verify: correction from p instead of norm(max(p - q, 0))", "tgi_patch/triton_kernels.py",
+             "q_ptr + (b * K + n_acc) * V, u, V, True, BLOCK_V)",
+             "q_ptr + (b * K + n_acc) * V, u, V, False, BLOCK_V)",
+             [TRITON_LAW]),
+    Mutation("D-Cut confidence = q(drafted token) for sampled rows (the old rule)", "tgi_patch/engine.py",
+             "        return probs.max(-1).values\n",
+             "        return probs.gather(1, token[:, None]).squeeze(1)\n",
+             [f"{ENGINE_SAMPLING}[auto-T1]", f"{ENGINE_SAMPLING}[budget16-T0.7]",
+              "tests/test_engine.py::test_draft_confidence_does_not_look_at_the_drafted_token"]),
+    Mutation("auto plan from the real keys (a sampled row's later positions)", "tgi_patch/engine.py",
+             "return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)",
+             "return accept",
+             ["tests/test_engine.py::test_auto_selection_of_a_sampled_position_ignores_its_later_positions"]),
+    Mutation("page leak: PagedKVPool.release keeps one page off the free list", "tgi_patch/paged.py",
+             "self.free_pages.extend(self.page_table[slot, : self.num_pages[slot]].tolist())",
+             "self.free_pages.extend(self.page_table[slot, : self.num_pages[slot]].tolist()[1:])",
+             [f"{EQUIVALENCE}::test_pages_return_to_the_free_list"]),
+    Mutation("engine MTP draft cache cropped one entry short", "tgi_patch/drafting.py",
+             "self.pool.lengths[slots] = base  #",
+             "self.pool.lengths[slots] = base - 1  #",
+             [f"{EQUIVALENCE}::test_engine_drafts_what_the_hook_drafts"]),
+    Mutation("engine MTP next-token feature shifted by one (_keep_features)", "tgi_patch/engine.py",
+             "after = torch.cat([fed[:, 1:], fed.new_zeros(len(fed), 1)], 1)",
+             "after = fed",
+             [f"{EQUIVALENCE}::test_engine_drafts_what_the_hook_drafts"]),
+    Mutation("hook records one more accepted token than it did", "modeling/candidate_generator.py",
+             "self.stats.accepted.append(int(num_matches))",
+             "self.stats.accepted.append(int(num_matches) + 1)",
+             [f"{EQUIVALENCE}::test_accepted_counts_match_a_hand_count"]),
+    # ---- caught before issue 11, for the record ----------------------------------------------------------------
+    Mutation("accept one token too many (past the verified depth)", "tgi_patch/reference.py",
+             "in_depth = ar < depth[:, None]", "in_depth = ar <= depth[:, None]",
+             ["tests/test_engine.py::test_greedy_equals_plain_decoding_for_any_mix", REFERENCE_LAW], note="record"),
+    Mutation("drop the bonus / correction token after accepted drafts", "tgi_patch/engine.py",
+             "count = 1 if first_step else n + 1", "count = 1 if first_step else max(n, 1)",
+             ["tests/test_engine.py::test_greedy_equals_plain_decoding_for_any_mix", f"{ENGINE_SAMPLING}[full-T1]"],
+             note="record"),
+    Mutation("accept with min(1, q/p)", "tgi_patch/reference.py",
+             "u_accept.float() * q_d < p_d", "u_accept.float() * p_d < q_d",
+             [REFERENCE_LAW, f"{ENGINE_SAMPLING}[full-T1]"], note="record"),
+    Mutation("bonus token from the residual", "tgi_patch/reference.py",
+             "use_residual = rejected & (residual.sum(-1) > 0)", "use_residual = residual.sum(-1) > 0",
+             [REFERENCE_LAW, f"{ENGINE_SAMPLING}[full-T1]"], note="record"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = ROOT / rel
+        if not src.is_file():
+            continue  # deleted in the working tree
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+def import_tree(copy: Path) -> Path:
+    """Lay the copy out as pyproject.toml's `package-dir` says (`angelspec_hf/tgi_patch` -> `tgi_patch/`, ...) with
+    symlinks inside its `angelspec_hf/`, so that the copy, first on sys.path (PYTHONPATH, and the working directory
+    that `python -m pytest` puts first), shadows the editable install of the real checkout."""
+    config = tomllib.loads((copy / "pyproject.toml").read_text())
+    package_dir = config["tool"]["setuptools"]["package-dir"]
+    top = copy / package_dir["angelspec_hf"]
+    for package, folder in package_dir.items():
+        parts = package.split(".")
+        if len(parts) == 2 and not (top / parts[1]).exists():
+            (top / parts[1]).symlink_to(copy / folder, target_is_directory=True)
+    return copy
+
+
+def environment(site: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports(python: str, copy: Path, env: dict) -> None:
+    modules = ["angelspec_hf", "angelspec_hf.tgi_patch.engine", "angelspec_hf.tgi_patch.reference",
+               "angelspec_hf.tgi_patch.triton_kernels", "angelspec_hf.tgi_patch.paged",
+               "angelspec_hf.tgi_patch.drafting",
+               "angelspec_hf.modeling.candidate_generator"]
+    code = "import importlib, os\n" + "".join(
+        f"print(os.path.realpath(importlib.import_module({m!r}).__file__))\n" for m in modules)
+    out = subprocess.run([python, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"importing the scratch copy failed:\n{out.stderr[-3000:]}")
+    paths = out.stdout.split()
+    outside = [p for p in paths if not Path(p).is_relative_to(copy.resolve())]
+    print("imports resolve inside the scratch copy:", ", ".join(modules), flush=True)
+    if outside or len(paths) != len(modules):
+        sys.exit(f"modules imported from outside the scratch copy {copy}: {outside or out.stdout}")
+
+
+def run_tests(python: str, copy: Path, env: dict, tests: list[str], timeout: float):
+    """Run pytest on `tests` in the copy: (exit status, failed node ids, output, seconds)."""
+    start = time.perf_counter()
+    cmd = [python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-o", "console_output_style=classic", *tests]
+    try:
+        out = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, [], "timed out", time.perf_counter() - start
+    failed = re.findall(r"^FAILED (\S+)", out.stdout, flags=re.M)
+    return out.returncode, failed, out.stdout + out.stderr, time.perf_counter() - start
+
+
+def short(nodeid: str) -> str:
+    return nodeid.replace("tests/", "").replace("test_sampling_is_exact_in_every_verify_mode_with_power", "engine law")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="run only mutations whose name contains this text (the sanity one always runs)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    parser.add_argument("--python", default=sys.executable, help="interpreter of the venv to test with")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip running the tests on the unmutated copy")
+    args = parser.parse_args()
+
+    mutations = [m for m in MUTATIONS if m.note == "sanity" or not args.only or args.only.lower() in m.name.lower()]
+    scratch = Path(tempfile.mkdtemp(prefix="mutation_check_"))
+    code = 0
+    try:
+        copy = scratch / "repo"
+        copy_tree(copy)
+        env = environment(import_tree(copy))
+        check_imports(args.python, copy, env)
+        print(f"scratch copy: {copy}", flush=True)
+
+        # every mutation must match exactly once before anything runs; every named test file must exist
+        problems = []
+        for m in mutations:
+            count = (copy / m.path).read_text().count(m.old)
+            if count != 1:
+                problems.append(f"{m.name}: {m.old!r} occurs {count} times in {m.path} (the code moved?)")
+            for t in m.tests:
+                if not (copy / t.split("::")[0]).is_file():
+                    problems.append(f"{m.name}: test file {t.split('::')[0]} does not exist")
+        if problems:
+            print("cannot apply the mutations as written:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 2
+
+        if not args.no_baseline:
+            tests = sorted({t for m in mutations if m.note != "sanity" for t in m.tests})
+            rc, failed, output, seconds = run_tests(args.python, copy, env, tests, args.timeout)
+            print(f"baseline (unmutated copy, {len(tests)} test selections): rc={rc} in {seconds:.0f}s", flush=True)
+            if rc != 0:
+                print(output[-6000:], file=sys.stderr)
+                print("the unmutated copy does not pass the named tests: mutation results would mean nothing",
+                      file=sys.stderr)
+                return 2
+
+        for m in mutations:
+            path = copy / m.path
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new, 1))
+            try:
+                rc, failed, output, seconds = run_tests(args.python, copy, env, m.tests, args.timeout)
+            finally:
+                path.write_text(original)
+            if rc == 1 and failed:
+                status = "yes"
+            elif rc == 0:
+                status = "NO (survived)"
+            else:
+                status = f"ERROR (pytest rc={rc})"
+                print(output[-4000:], file=sys.stderr)
+            if m.note == "sanity" and "mutation_check sanity mutation" not in output:
+                status = "ERROR (sanity exception not seen: is the scratch copy imported?)"
+            m.result = {"caught": status, "failed": failed, "seconds": seconds}
+            print(f"  {m.name}: {status} ({seconds:.0f}s)", flush=True)
+            if status != "yes":
+                code = 1
+
+        print()
+        print("| mutation | file | test(s) run | caught | failing tests | s |")
+        print("|---|---|---|---|---|---|")
+        for m in mutations:
+            r = m.result
+            tag = "" if m.note == "issue 11" else f" ({m.note})"
+            print(f"| {m.name}{tag} | `{m.path}` | {'<br>'.join(short(t) for t in m.tests)} | {r['caught']} | "
+                  f"{'<br>'.join(short(f) for f in r['failed']) or '-'} | {r['seconds']:.0f} |")
+        survivors = [m.name for m in mutations if m.result["caught"] != "yes"]
+        print()
+        print(f"{len(mutations) - len(survivors)}/{len(mutations)} caught" +
+              (f"; NOT caught: {survivors}" if survivors else ""))
+    finally:
+        if args.keep:
+            print(f"kept {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The cost-aware draft length of the `generate()` hook (`draft_length="auto"`): its fits and decisions against closed
+forms, and the hook with plain rounds in between drafting rounds — lossless, and no context lost to a plain round."""
+
+import pytest
+import torch
+
+from angelspec_hf.modeling.draft_policy import (
+    DraftLengthPolicy,
+    LinearFit,
+    PositionCalibrator,
+    RoundCosts,
+    load_or_profile_round_costs,
+)
+from conftest import tiny_drafter, tiny_target
+
+
+def test_linear_fit_moves_from_its_prior_to_the_data():
+    fit = LinearFit(1.0, 0.0, prior_weight=2.0)
+    assert fit(1) == pytest.approx(1.0) and fit(9) == pytest.approx(1.0)
+    for _ in range(200):
+        for x in (1, 3, 9):
+            fit.add(x, 0.05 + 0.01 * x)
+    a, b = fit.coef
+    assert a == pytest.approx(0.05, abs=2e-3) and b == pytest.approx(0.01, abs=5e-4)
+    fit.add(1, -5.0)  # noise never makes a longer step cheaper than a shorter one
+    assert fit.coef[1] >= 0
+
+
+def test_position_calibrator_learns_per_position_and_confidence():
+    cal = PositionCalibrator(3, num_bins=4, prior_weight=1.0)
+    for _ in range(100):
+        cal.update([0.9, 0.2, 0.9], 1)  # position 0 accepted, position 1 rejected, position 2 not reached
+    assert cal(0, 0.9) == pytest.approx(1.0, abs=0.02) and cal(1, 0.2) == pytest.approx(0.0, abs=0.02)
+    assert cal(2, 0.9) == pytest.approx(0.7 * 0.875)  # never observed: still the prior
+    assert cal.mean(0) > 0.95 and cal.mean(1) < 0.05
+
+
+def policy_with(step=(0.06, 0.003), draft=(0.0, 0.01), k=4):
+    return DraftLengthPolicy(RoundCosts(step, draft), k)
+
+
+def test_policy_drafts_what_pays_and_backs_off_when_nothing_does():
+    good = policy_with()
+    for _ in range(50):
+        good.start_round(4)
+        for conf in (0.95, 0.95, 0.95):
+            good.keep_drafting(conf, 4)
+        good.observe(3, 3, None, None)  # everything accepted
+    assert good.start_round(4)
+    assert all(good.keep_drafting(0.95, 4) for _ in range(3)) and not good.keep_drafting(0.95, 4)  # up to the cap
+    bad = policy_with(draft=(0.02, 0.03))  # expensive drafts that are never accepted
+    decisions = []
+    for _ in range(200):
+        drafted = bad.start_round(4)
+        decisions.append(drafted)
+        if drafted:
+            assert not bad.keep_drafting(0.5, 4)  # one hopeless token, no more
+            bad.observe(1, 0, None, None)
+    probes = [i for i, d in enumerate(decisions) if d]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert not decisions[0] and 3 <= len(probes) < 12  # plain from the start (the prior already says so), probes
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
+    assert bad.expected_rate(1) < bad.expected_rate(0)
+
+
+def test_policy_learns_costs_from_timed_rounds():
+    policy = policy_with(step=(1.0, 1.0), draft=(1.0, 1.0))
+    for i in range(300):
+        drafted = 1 + i % 4
+        policy.observe(drafted, 1, 0.004 + 0.002 * drafted, 0.05 + 0.004 * (1 + drafted))
+        policy.observe(0, 0, None, 0.054)
+    assert policy.step(1) == pytest.approx(0.054, rel=0.05) and policy.step(4) == pytest.approx(0.066, rel=0.05)
+    assert policy.draft(3) == pytest.approx(0.010, rel=0.05)
+
+
+def test_round_costs_are_profiled_once_and_cached(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    costs = load_or_profile_round_costs(target, drafter, tmp_path)
+    files = list(tmp_path.glob("hook-*.json"))
+    assert len(files) == 1 and costs.key in files[0].name
+    assert costs.step_coef[0] + costs.step_coef[1] > 0 and min(costs.draft_coef) >= 0
+    assert load_or_profile_round_costs(target, drafter, tmp_path).to_dict() == costs.to_dict()
+    files[0].write_text("{not json")  # a damaged cache is measured again, not trusted
+    assert load_or_profile_round_costs(target, drafter, tmp_path).key == costs.key
+
+
+class Scripted(DraftLengthPolicy):
+    """Plain rounds at fixed round numbers, whole blocks otherwise (timing-independent, for exact comparisons)."""
+
+    def __init__(self, k, plain_rounds):
+        super().__init__(RoundCosts((0.05, 0.001), (0.0, 0.001)), k)
+        self.plain_rounds, self.round = set(plain_rounds), -1
+
+    def start_round(self, max_tokens):
+        super().start_round(max_tokens)
+        self.round += 1
+        return max_tokens > 0 and self.round not in self.plain_rounds
+
+    def keep_drafting(self, confidence, max_tokens):
+        super().keep_drafting(confidence, max_tokens)
+        return len(self._round) < max_tokens
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_plain_rounds_are_lossless_and_lose_no_context(family):
+    """After plain rounds the drafter catches up on every feature it skipped: its next block equals the block a fresh
+    call drafts right after prefilling the same text (greedy output identical to the target's throughout)."""
+    target, twin = tiny_target(), tiny_target()
+    drafter = tiny_drafter(family, target, draft_length="auto")
+    k = drafter.num_draft_tokens
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    plain = twin.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    drafter.draft_policy = lambda target, cache_dir=None: Scripted(k, plain_rounds=range(0, 4))
+    out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter, eos_token_id=None,
+                          pad_token_id=0)
+    assert out.tolist() == plain.tolist()
+    stats = drafter.last_speculation_stats
+    assert stats.plain_steps == 4 and stats.drafts
+    # the first drafting round came after the prefill token and 4 plain tokens: 5 generated tokens
+    context = plain[:, : prompt.shape[1] + 4]
+    drafter.draft_policy = lambda target, cache_dir=None: Scripted(k, plain_rounds=())
+    target.generate(context, max_new_tokens=2 + k, do_sample=False, assistant_model=drafter, eos_token_id=None,
+                    pad_token_id=0)
+    assert drafter.last_speculation_stats.drafts[0] == stats.drafts[0]
+
+
+def test_auto_draft_length_is_lossless_with_a_measured_policy(tmp_path, monkeypatch):
+    """The real policy (profiled costs, learned acceptance) on random drafters: output identical, and the policy
+    state is kept on the drafter across calls."""
+    monkeypatch.setenv("ANGELSPEC_CACHE", str(tmp_path))
+    target, twin = tiny_target(), tiny_target()
+    for family in ("mtp", "dflash", "dfly"):
+        drafter = tiny_drafter(family, target, draft_length="auto")
+        for prompt in ([3, 4, 5, 6], [9, 8, 7, 50, 61, 3]):
+            ids = torch.tensor([prompt])
+            out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                                  eos_token_id=None, pad_token_id=0)
+            assert out.tolist() == twin.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                                 pad_token_id=0).tolist()
+        assert drafter.draft_policy(target) is drafter.draft_policy(target)
+        stats = drafter.last_speculation_stats
+        assert stats.plain_steps + stats.rounds >= 30

@@ -1,0 +1,108 @@
+"""Pruned draft vocabularies: drafting only over a subset of the target's tokens changes cost, never output — greedy
+is identical, sampling keeps the target's distribution (tokens outside the subset are still emitted, by the residual)."""
+
+import pytest
+import torch
+from stats import ALPHA, exact_distribution, goodness_of_fit, marginal
+
+import angelspec_hf
+from angelspec_hf.draft_vocab import choose_draft_vocab, coverage
+from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, generate_batch
+from conftest import tiny_drafter, tiny_target
+
+SUBSET = list(range(2, 40))
+
+
+def plain(twin, prompt, n):
+    out = twin.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_pruned_drafter_is_lossless_drafts_inside_and_round_trips(family, tmp_path):
+    target, twin = tiny_target(), tiny_target()
+    drafter = tiny_drafter(family, target)
+    drafter.set_draft_vocab(SUBSET[::-1] + [5])  # any order, duplicates: stored sorted and unique
+    assert drafter.config.draft_vocab_size == len(SUBSET) and drafter.draft_vocab_ids.tolist() == SUBSET
+    accepted = 0
+    for prompt in ([3, 4, 5, 6], [9, 8, 7, 50, 61, 3], [11]):
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                              eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == plain(twin, prompt, 24)
+        stats = drafter.last_speculation_stats
+        assert all(t in SUBSET for block in stats.drafts for t in block) and stats.drafts
+        accepted += sum(stats.accepted)
+    assert accepted > 0
+    # the batched engine drafts through the same pruned head
+    prompts = [[3, 4, 5, 6], [9, 8, 7, 50, 61, 3]]
+    engine = SpeculativeEngine(target, drafter, verify="full", max_batch_size=4)
+    assert generate_batch(target, drafter, prompts, max_new_tokens=16, engine=engine) == \
+        [plain(twin, p, 16) for p in prompts]
+    drafter.save_pretrained(tmp_path)
+    loaded = angelspec_hf.load_drafter(tmp_path)
+    assert loaded.config.draft_vocab_size == len(SUBSET) and loaded.draft_vocab_ids.tolist() == SUBSET
+    logits = loaded.draft_lm_head(target.get_output_embeddings())(torch.randn(2, 32))
+    assert torch.isinf(logits[:, [0, 1, 40, 98]]).all() and torch.isfinite(logits[:, SUBSET]).all()
+    full = target.get_output_embeddings()(torch.ones(1, 32))
+    torch.testing.assert_close(loaded.draft_lm_head(target.get_output_embeddings())(torch.ones(1, 32))[:, SUBSET],
+                               full[:, SUBSET])
+    drafter.set_draft_vocab(None)
+    assert drafter.config.draft_vocab_size is None and drafter.draft_lm_head(target.lm_head) is target.lm_head
+
+
+def test_pruned_vocabulary_is_refused_where_a_format_cannot_carry_it(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter("dflash", target)
+    with pytest.raises(ValueError, match="in \\[0, 99\\)"):
+        drafter.set_draft_vocab([3, 120])
+    drafter.set_draft_vocab(SUBSET)
+    with pytest.raises(ValueError, match="no draft vocabulary map"):
+        angelspec_hf.modeling.export_zlab_dflash(drafter, tmp_path)
+    with pytest.raises(ValueError, match="speculation_type='dflash'"):  # transformers' path uses the full LM head
+        target.generate(torch.tensor([[3, 4]]), max_new_tokens=4, assistant_model=drafter, speculation_type="dflash")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        type(drafter.config)(**(drafter.config.to_dict() | {"draft_vocab_size": 1000}))
+
+
+def test_choose_draft_vocab_and_coverage():
+    from collections import Counter
+
+    counts = Counter({7: 10, 3: 10, 9: 4, 1: 1})
+    assert choose_draft_vocab(counts, 2) == [3, 7]  # ties by id
+    assert choose_draft_vocab(counts, 3, always=[2]) == [2, 3, 7]  # special tokens always kept
+    assert coverage([3, 7], [[3, 3, 9], [7]]) == 0.75
+    with pytest.raises(ValueError):
+        choose_draft_vocab(counts, 0)
+
+
+def test_sampling_with_a_pruned_vocabulary_keeps_the_target_distribution():
+    """The target puts real mass on tokens the drafter can never propose: they must still come out, at their exact
+    rate (the residual max(p - q, 0) carries them). A sampler that only emits draftable tokens is rejected."""
+    target = tiny_target(vocab_size=7, seed=4, skew=1.5)
+    drafter = tiny_drafter("dfly", target, mask_token_id=6)
+    drafter.set_draft_vocab([0, 1, 3, 4])  # 2, 5 and 6 are never drafted
+    exact = marginal(exact_distribution(target, 3), 3)
+    draws = 3000
+    engine = SpeculativeEngine(target, drafter, verify="full", max_batch_size=128)
+    ids = [engine.add_request([3, 5, 4], SamplingParams(max_new_tokens=3, do_sample=True, temperature=1.0, seed=i,
+                                                        stop_token_ids=())) for i in range(draws)]
+    outputs = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            outputs[event.request_id].extend(event.token_ids)
+    samples = [tuple(outputs[i]) for i in ids]
+    assert 0 < engine.stats["accepted"] < engine.stats["verified"]
+    assert any(t in (2, 5, 6) for s in samples for t in s[1:])  # undraftable tokens are emitted after drafts
+    assert goodness_of_fit(samples, exact) > ALPHA
+    # power: the same statistic rejects a sampler that never emits an undraftable token after the first
+    allowed = {k: p for k, p in exact.items() if all(t in (0, 1, 3, 4) for t in k[1:])}
+    keys = list(allowed)
+    weights = torch.tensor([allowed[k] for k in keys])
+    wrong = torch.multinomial(weights / weights.sum(), draws, replacement=True, generator=torch.Generator().manual_seed(1))
+    assert goodness_of_fit([keys[i] for i in wrong], exact) < ALPHA
+
+
+def test_the_budget_is_filled_from_prompt_tokens_after_response_tokens():
+    from collections import Counter
+
+    assert choose_draft_vocab(Counter({7: 3}), 3, always=[2], fill=Counter({9: 5, 7: 9, 4: 1})) == [2, 7, 9]
