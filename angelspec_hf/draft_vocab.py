@@ -70,13 +70,15 @@ def cmd_prune_vocab(args) -> int:
     torch.set_num_threads(args.threads)
     target, tokenizer = angelspec_hf.load_target(args.target)
     if args.drafter in DRAFTERS:
-        from angelspec_hf.shipped import shipped_or_untrained
+        from angelspec_hf.shipped import shipped_drafter_path
 
-        drafter, trained = shipped_or_untrained(args.drafter, target)
-        if not trained:
-            raise SystemExit(f"no trained {args.drafter} drafter ships for this target: pass a folder or Hub id")
+        path = shipped_drafter_path(args.drafter)
+        if path is None:
+            raise SystemExit(f"no trained {args.drafter} drafter ships: pass a folder or Hub id")
+        drafter = angelspec_hf.load_drafter(str(path))  # in its stored dtype, which the output keeps
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)
+    drafter.check_target(target)
     data = Path(args.data)
     files = [data / f"{name}.jsonl" for name in args.sets.split(",")]
     missing = [str(f) for f in files if not f.is_file()]

@@ -79,7 +79,8 @@ def test_shipped_drafters(real, family, prompt_index):
     path = shipped_drafter_path(family)
     assert path is not None, f"no shipped {family} drafter in drafters/"
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    assert {d for d in dtypes if d.is_floating_point} == {torch.float16} and dtypes <= {torch.float16, torch.int64}
     assert "τ" in (path / "README.md").read_text()  # the model card states measured acceptance
     drafter, trained = shipped_or_untrained(family, target)
     assert trained and drafter.dtype == target.dtype
