@@ -32,4 +32,5 @@ $(VENV)/.chromium: $(STAMP)
 	touch $@
 
 test: $(STAMP) $(VENV)/.chromium
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q

@@ -20,12 +20,17 @@ import torch
 
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
-METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "dflash", "dflash_full", "dfly", "dfly_full",
-           "router")
-# `<family>`: the drafter with its cost-aware draft length (`draft_length="auto"`); `<family>_full`: whole blocks
+METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "mtp+lookup", "dflash", "dflash_full",
+           "dflash+lookup", "dfly", "dfly_full", "dfly+lookup", "router")
+# `<family>`: the drafter with its cost-aware draft length (`draft_length="auto"`); `<family>_full`: whole blocks;
+# `<family>+lookup` (also `<label>+lookup` for a drafter of --drafters): each round an n-gram lookup, the drafter's
+# block or a plain step, whichever is expected to give the most tokens per second (`lookup_tokens`)
+LOOKUP = "+lookup"
+LOOKUP_TOKENS = 10
 DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly", "router": "router",
               "mtp_full": "mtp", "dflash_full": "dflash", "dfly_full": "dfly"}
-HOOK_METHODS = ("mtp", "mtp_full", "dflash", "dflash_full", "dfly", "dfly_full", "router")
+HOOK_METHODS = ("mtp", "mtp_full", "mtp+lookup", "dflash", "dflash_full", "dflash+lookup", "dfly", "dfly_full",
+                "dfly+lookup", "router")
 
 
 class ForwardCounter:
@@ -44,7 +49,8 @@ class ForwardCounter:
 
 def drafter_of(method: str) -> str:
     """The drafter a method uses: its family, or (an extra `--drafters label=path` entry) the label itself."""
-    return DRAFTER_OF.get(method, method)
+    base = method.removesuffix(LOOKUP)
+    return DRAFTER_OF.get(base, base)
 
 
 def method_order(method: str) -> tuple:
@@ -77,6 +83,7 @@ def method_kwargs(method: str, drafters: dict) -> dict:
     drafter = drafters[drafter_of(method)]
     if method not in ("router", "dflash_builtin") and hasattr(drafter, "config"):
         drafter.config.draft_length = "full" if method.endswith("_full") else "auto"
+        drafter.config.lookup_tokens = LOOKUP_TOKENS if method.endswith(LOOKUP) else 0
     kwargs = {"assistant_model": drafter}
     if method == "dflash_builtin":
         kwargs["speculation_type"] = "dflash"
@@ -126,6 +133,7 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                             "identical": bool(torch.equal(out, reference)) if temperature == 0 else None,
                             "accepted_per_round": list(stats.accepted) if hook else None,
                             "plain_steps": stats.plain_steps if hook else None,
+                            "lookup_rounds": stats.lookup_rounds if hook else None,
                             # where the time went: target forwards, drafting (hook methods), the rest
                             "forward_seconds": timer.seconds,
                             "draft_seconds": stats.draft_seconds if hook else None,
@@ -243,14 +251,15 @@ def bench_main(args) -> int:
     if args.concurrency:
         methods = [m for m in methods if m in ("mtp", "dflash", "dfly")] + ["ar"]
     given = dict(item.split("=", 1) for item in args.drafters.split(",") if item) if args.drafters else {}
-    unknown = set(methods) - set(METHODS) - set(given)
+    unknown = set(methods) - set(METHODS) - set(given) - {label + LOOKUP for label in given}
     if unknown or "ar" not in methods:
         raise SystemExit(f"--methods must include 'ar' and come from {METHODS} or the labels of --drafters; got "
                          f"{sorted(unknown)}")
     target, tokenizer = angelspec_hf.load_target(args.target)
     drafters, untrained = {}, []
-    needed = {DRAFTER_OF[m] for m in methods if m in DRAFTER_OF} | ({"mtp", "dfly"} if "router" in methods else set())
-    for label in sorted(set(methods) & set(given) - set(METHODS)):  # extra drafters, each a method of its own
+    needed = {drafter_of(m) for m in methods if drafter_of(m) in DRAFTER_OF.values()}
+    needed |= {"mtp", "dfly"} if "router" in methods else set()
+    for label in sorted({drafter_of(m) for m in methods} & set(given) - set(METHODS)):  # extra drafters, own methods
         drafters[label] = angelspec_hf.load_drafter(given[label])
     for family in sorted(needed - {"router"}):
         if family in given:

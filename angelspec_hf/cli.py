@@ -37,14 +37,15 @@ def cmd_generate(args) -> int:
     if args.drafter in DRAFTERS:
         from angelspec_hf.shipped import shipped_drafter_path, shipped_or_untrained
 
-        drafter, trained = shipped_or_untrained(args.drafter, target)
+        why = []
+        drafter, trained = shipped_or_untrained(args.drafter, target, why=why)
         if trained:
             print(f"drafter: shipped {args.drafter} drafter {shipped_drafter_path(args.drafter)}")
         else:
             print(
-                f"NOTE: no trained {args.drafter} drafter is shipped for this target, so this one is UNTRAINED "
-                "(random weights): expect a mean accepted length near 1 and a slow-down. The output is still "
-                "identical to plain generate, which is what this run checks."
+                f"NOTE: {why[0]}, so this {args.drafter} drafter is UNTRAINED (random weights): expect a mean "
+                "accepted length near 1 and a slow-down. The output is still identical to plain generate, which "
+                "is what this run checks."
             )
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)

@@ -1,8 +1,8 @@
 """Per-request drafter choice: send each request to the drafter expected to accept more.
 
 `DrafterRouter` holds several drafters for one target (e.g. MTP for chat, DFly for code and math) and is passed to
-`generate(assistant_model=router)` like a drafter. Each request is classified by domain from its last user turn
-(code / math / chat, simple lexical cues), and the router picks the drafter with the highest estimate of τ for that
+`generate(assistant_model=router)` like a drafter. Each request is classified by domain from its whole prompt
+(the decoded input ids, code / math / chat by simple lexical cues), and the router picks the drafter with the highest estimate of τ for that
 domain: a prior (`prefer`) until it has seen enough requests, then the running mean of the τ each drafter actually
 achieved there (updated after every request from the drafter's own statistics).
 """

@@ -1,5 +1,5 @@
-"""`python -m angelspec_hf.ship RUN_DIR DEST`: a training run's final drafter → fp16 Hub layout in DEST (safetensors,
-config, modeling code with `auto_map`, and the run's model card). `python -m angelspec_hf.ship --code FOLDER...`
+"""`python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab]`: a training run's final drafter → fp16 Hub layout in
+DEST (safetensors, config, modeling code with `auto_map`, the run's model card and loss curve). `python -m angelspec_hf.ship --code FOLDER...`
 rewrites only the modeling code of shipped folders from the current `modeling/` (what `save_pretrained` would write)."""
 
 from __future__ import annotations
@@ -9,19 +9,23 @@ import sys
 from pathlib import Path
 
 
-def ship(run_dir, dest) -> Path:
+def ship(run_dir, dest, full_vocab: bool = False) -> Path:
+    """`full_vocab`: drop a pruned draft vocabulary (e.g. so the drafter stays exportable to z-lab's DFlash layout
+    and usable on transformers' built-in DFlash path, which apply the whole LM head)."""
     import torch
 
     import angelspec_hf
 
     drafter = angelspec_hf.load_drafter(str(run_dir)).to(torch.float16)
+    if full_vocab:
+        drafter.set_draft_vocab(None)
     dest = Path(dest)
     if dest.exists():
         shutil.rmtree(dest)
     drafter.save_pretrained(dest)
-    card = Path(run_dir) / "README.md"
-    if card.is_file():
-        shutil.copy(card, dest / "README.md")
+    for name in ("README.md", "loss_curve.png"):  # the run's model card and its loss curve
+        if (Path(run_dir) / name).is_file():
+            shutil.copy(Path(run_dir) / name, dest / name)
     return dest
 
 
@@ -48,7 +52,7 @@ if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--code":
         for folder in sys.argv[2:]:
             print(folder, [p.name for p in export_drafter_code(folder)])
-    elif len(sys.argv) == 3:
-        print(ship(sys.argv[1], sys.argv[2]))
+    elif len(sys.argv) in (3, 4) and sys.argv[3:] in ([], ["--full-vocab"]):
+        print(ship(sys.argv[1], sys.argv[2], full_vocab=sys.argv[3:] == ["--full-vocab"]))
     else:
-        sys.exit("usage: python -m angelspec_hf.ship RUN_DIR DEST | --code FOLDER...")
+        sys.exit("usage: python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab] | --code FOLDER...")

@@ -25,7 +25,19 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
-BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, budget=...)"
+BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, verify=...)"
+
+
+def ngram_continuation(ids: torch.LongTensor, max_ngram: int, num_tokens: int) -> tuple[list[int], int]:
+    """Prompt lookup: `(tokens, n)` where `tokens` (at most `num_tokens`) followed the latest earlier occurrence of
+    the last `n` tokens of `ids` `[T]`, for the largest `n <= max_ngram` that occurs; `([], 0)` when none does."""
+    for n in range(min(max_ngram, ids.shape[0] - 1), 0, -1):
+        windows = ids[:-1].unfold(0, n, 1)  # n-grams starting at 0 .. T-1-n, each followed by at least one token
+        hits = torch.nonzero((windows == ids[-n:]).all(-1)).flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return ids[start : start + num_tokens].tolist(), n
+    return [], 0
 
 
 @dataclass
@@ -38,6 +50,7 @@ class SpeculationStats:
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list[list[float]] = field(default_factory=list)
     plain_steps: int = 0  # target forwards without a draft (`draft_length="auto"` found drafting would not pay)
+    lookup_rounds: int = 0  # rounds that verified an n-gram lookup instead of the drafter's block (`lookup_tokens`)
     draft_seconds: float = 0.0  # time spent drafting (the drafter's forwards and token choices)
 
     @property
@@ -71,6 +84,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.target_embeddings = target.get_input_embeddings()
         self.target_lm_head = drafter.draft_lm_head(target.get_output_embeddings())  # pruned rows, if any
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
+        self.lookup_max_ngram = int(getattr(drafter.config, "lookup_max_ngram", 3) or 3)
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
@@ -85,7 +101,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self._max_tokens, self._round_probs = 0, []
         self._pending: list[torch.Tensor] = []  # target features kept from plain rounds, not yet given to the drafter
         self._pending_length = 0
-        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None}
+        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None}
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.state = drafter.new_draft_state()
         self.stats = SpeculationStats()
@@ -124,13 +140,16 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         ).to(drafter_device)
         num_tokens = max(0, min(self.drafter.num_draft_tokens, self.max_length - input_ids.shape[1] - 1))
         self._survival, self._max_tokens, self._round_probs = 1.0, num_tokens, []
-        self._round.update(drafted=0, draft_seconds=None)
-        if self.policy is not None and not self.policy.start_round(num_tokens):
-            self._pending.append(context)  # a plain step: the drafter reads these features when it next drafts
+        self._round.update(drafted=0, draft_seconds=None, lookup=None)
+        lookup = self._lookup(input_ids, num_tokens)
+        if lookup is not None or (self.policy is not None and not self.policy.start_round(num_tokens)):
+            self._pending.append(context)  # no drafting: the drafter reads these features when it next drafts
             self._pending_length += num_new
-            self.stats.plain_steps += int(num_tokens > 0)
             self._round["returned_at"] = time.perf_counter()
-            return input_ids, None
+            if lookup is None:
+                self.stats.plain_steps += int(num_tokens > 0)
+                return input_ids, None
+            return lookup
         if self._pending:
             context = torch.cat(self._pending + [context], dim=1)
             self._pending, self._pending_length = [], 0
@@ -155,11 +174,43 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self._round["returned_at"] = time.perf_counter()
         return candidates, draft_logits.to(input_ids.device)
 
+    def _lookup(self, input_ids, num_tokens):
+        """An n-gram lookup round, `(candidates, one-hot logits)`, when one is on offer and expected to beat both the
+        drafter's block and a plain step; else None. The lookup is a deterministic proposal, q = one-hot on its
+        token, so transformers' speculative sampling accepts token x with probability p(x) and otherwise draws from
+        p without x: exact. Whether and how far to look up depends on the context and past rounds only."""
+        room = max(0, self.max_length - input_ids.shape[1] - 1)
+        if not self.lookup_tokens or room == 0:
+            return None
+        tokens, n = ngram_continuation(input_ids[0], self.lookup_max_ngram, min(self.lookup_tokens, room))
+        if not tokens:
+            return None
+        confidence = n / self.lookup_max_ngram
+        if self.policy is not None:
+            tokens = tokens[: self.policy.lookup_length(confidence, len(tokens), num_tokens)]
+        elif n < 2:
+            tokens = []
+        if not tokens:
+            return None
+        draft = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+        logits = torch.full((1, len(tokens), self.vocab_size), float("-inf"), device=input_ids.device)
+        logits.scatter_(-1, draft[..., None], 0.0)
+        self._round.update(drafted=len(tokens), lookup=confidence)
+        self.stats.lookup_rounds += 1
+        self.stats.proposed.append(len(tokens))
+        self.stats.drafts.append(tokens)
+        self.stats.draft_probs.append([1.0] * len(tokens))
+        return torch.cat([input_ids, draft], dim=-1), logits
+
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         returned_at = self._round["returned_at"]
         if self.policy is not None and returned_at is not None:  # the target forward and verification just timed
-            self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
-                                time.perf_counter() - returned_at)
+            if self._round["lookup"] is not None:
+                self.policy.observe_lookup(self._round["lookup"], self._round["drafted"], int(num_matches),
+                                           time.perf_counter() - returned_at)
+            else:
+                self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
+                                    time.perf_counter() - returned_at)
         self._round["returned_at"] = None
         if len(self.stats.accepted) < len(self.stats.proposed):
             self.stats.accepted.append(int(num_matches))

@@ -50,6 +50,13 @@ class DrafterConfig(Qwen3Config):
         ids, stored in the weights as `draft_vocab_ids`, with the matching rows of the target's LM head, so each
         draft token costs a fraction of the full LM head. Tokens outside get draft probability 0; verification is
         unchanged, so output stays exact. `None`: the whole vocabulary. Set with `drafter.set_draft_vocab(ids)`.
+    lookup_tokens (`int`, *optional*, defaults to 0):
+        `generate()` hook: also propose n-gram lookups (prompt lookup): the tokens that followed the latest earlier
+        occurrence of the context's last `lookup_max_ngram` (or fewer) tokens, up to this many. Each round takes the
+        lookup, the drafter's block or a plain step, whichever is expected to give the most tokens per second
+        (`draft_length="auto"`; with `"full"`, a lookup whenever one matches at least 2 tokens). 0: drafter only.
+    lookup_max_ngram (`int`, *optional*, defaults to 3):
+        Longest context suffix matched by the lookup.
     """
 
     model_type = "angelspec_drafter"
@@ -60,6 +67,8 @@ class DrafterConfig(Qwen3Config):
     draft_stop_threshold: float = 0.0
     draft_length: str = "auto"
     draft_vocab_size: int | None = None
+    lookup_tokens: int = 0
+    lookup_max_ngram: int = 3
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -72,6 +81,9 @@ class DrafterConfig(Qwen3Config):
             raise ValueError(f"draft_stop_threshold must be in [0, 1), got {self.draft_stop_threshold}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
+        if self.lookup_tokens < 0 or self.lookup_max_ngram < 1:
+            raise ValueError(f"lookup_tokens must be >= 0 and lookup_max_ngram >= 1, got {self.lookup_tokens} and "
+                             f"{self.lookup_max_ngram}")
         if self.draft_length not in ("auto", "full"):
             raise ValueError(f"draft_length must be 'auto' or 'full', got {self.draft_length!r}")
         if any(i < 0 for i in ids) or len(set(ids)) != len(ids):

@@ -36,6 +36,7 @@ ENGINE_SAMPLING = "tests/test_engine.py::test_sampling_is_exact_in_every_verify_
 REFERENCE_LAW = "tests/test_kernels.py::test_reference_verify_keeps_the_target_distribution_with_power"
 TRITON_LAW = "tests/test_kernels.py::test_triton_verify_keeps_the_target_distribution_with_power"
 EQUIVALENCE = "tests/test_drafting_equivalence.py"
+MEMORISE = "tests/test_memorisation.py::test_drafter_memorises_its_training_sequences"
 
 
 @dataclass
@@ -117,6 +118,14 @@ MUTATIONS = [
     Mutation("bonus token from the residual", "tgi_patch/reference.py",
              "use_residual = rejected & (residual.sum(-1) > 0)", "use_residual = residual.sum(-1) > 0",
              [REFERENCE_LAW, f"{ENGINE_SAMPLING}[full-T1]"], note="record"),
+    # ---- issue 13: training lines up with drafting -------------------------------------------------------------
+    Mutation("block training labels off by one (row k learns token a + k - 1)", "trainer/trainer.py",
+             "labels = _gather_rows(input_ids, positions[..., 1:])",
+             "labels = _gather_rows(input_ids, positions[..., :-1])",
+             [f"{MEMORISE}[dflash]", f"{MEMORISE}[dfly]"], note="issue 13"),
+    Mutation("MTP step inputs off by one (step j reads x_{t+2+j})", "trainer/trainer.py",
+             "(index + 1 + j).expand(ids.shape[0], -1)", "(index + 2 + j).expand(ids.shape[0], -1)",
+             [f"{MEMORISE}[mtp]"], note="issue 13"),
 ]
 
 
@@ -150,6 +159,9 @@ def environment(site: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    from angelspec_hf.prompts import data_dir  # the copy lives elsewhere: keep reading this checkout's prompt sets
+
+    env.setdefault("ANGELSPEC_DATA", str(data_dir()))
     return env
 
 

@@ -1,31 +1,30 @@
 #!/usr/bin/env bash
 # The shipped drafters for the embedded SmolLM2-135M-Instruct target (drafters/), trained on CPU with the project's
-# trainer on data/regenerated/: DFly and DFlash (block 8) on identical code + math data, steps and batch (the same
-# cached fp16 target features feed both), MTP (4 steps) on chat. The three runs go side by side, one thread each;
-# rerunning the script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/.
-# Usage: scripts/train_release.sh [CODE_MATH_STEPS] [CHAT_STEPS] [OUT]
+# trainer on data/regenerated/. Round 2 (this script): DFly and DFlash (block 8) continue from the shipped round-1
+# drafters on identical code + math data, steps, batch and seed, both over DFly's pruned 8,192-token draft vocabulary,
+# with 64 anchors per sequence redrawn every step and hard-label CE + KL to the target's logits (online target states:
+# the 11.5k-sequence set is read once, not cached). The two runs go side by side, one thread each; rerunning the
+# script continues each from its last checkpoint. Then each run is written as fp16 to drafters/ (DFlash over the whole
+# vocabulary again: it is the baseline that must stay exportable to z-lab's layout and transformers' DFlash path).
+# Usage: scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${1:-800}
-CHAT_STEPS=${2:-200}
-OUT=${3:-outputs/release}
+STEPS=${1:-1000}
+OUT=${2:-outputs/release2}
 mkdir -p "$OUT"
-COMMON=(--per_device_train_batch_size 4 --learning_rate 1e-3 --warmup_steps 50 --lr_scheduler_type cosine
-        --max_seq_length 384 --num_anchors 16 --logging_steps 20 --save_steps 200 --save_total_limit 1
-        --report_to tensorboard --use_cpu true --eval_prompts 8 --eval_max_new_tokens 64
-        --dataloader_num_workers 0 --feature_mode cached --resume true --seed 0)
+COMMON=(--per_device_train_batch_size 4 --learning_rate 5e-4 --warmup_steps 20 --lr_scheduler_type cosine
+        --max_seq_length 384 --num_anchors 64 --resample_anchors true --loss_kind ce+kl
+        --logging_steps 10 --save_steps 50 --save_total_limit 1 --eval_steps 250 --eval_prompts 8
+        --eval_max_new_tokens 64 --report_to tensorboard --use_cpu true --dataloader_num_workers 0
+        --resume true --seed 0 --max_steps "$STEPS"
+        --train_sets gsm8k code_alpaca gpteacher_codegen --draft_vocab_from drafters/smollm2-135m-instruct-dfly)
 train() { OMP_NUM_THREADS=1 .venv/bin/python -c "import sys, torch; torch.set_num_threads(1)
 from angelspec_hf.trainer.run import main; sys.exit(main(sys.argv[1:]))" "$@"; }
-CODE_MATH=(--train_sets gsm8k code_alpaca gpteacher_codegen --feature_cache_dir "$OUT/features-code-math")
 for family in dfly dflash; do
-  train --drafter_type $family "${CODE_MATH[@]}" --max_steps "$STEPS" --output_dir "$OUT/$family" "${COMMON[@]}" \
-    >> "$OUT/$family.log" 2>&1 &
-  # the first run caches the code + math features; the second starts once they are written, and reuses them
-  until [ -f "$OUT/features-code-math/angelspec_features.json" ]; do sleep 10; done
+  cp -n "drafters/smollm2-135m-instruct-$family/README.md" "$OUT/$family-round1-card.md" 2>/dev/null || true
+  train --drafter_type $family --init_drafter "drafters/smollm2-135m-instruct-$family" --output_dir "$OUT/$family" \
+    "${COMMON[@]}" >> "$OUT/$family.log" 2>&1 &
 done
-train --drafter_type mtp --train_sets sharegpt alpaca --feature_cache_dir "$OUT/features-chat" \
-  --max_steps "$CHAT_STEPS" --output_dir "$OUT/mtp" "${COMMON[@]}" >> "$OUT/mtp.log" 2>&1 &
 wait
-for family in dfly dflash mtp; do
-  .venv/bin/python -m angelspec_hf.ship "$OUT/$family" "drafters/smollm2-135m-instruct-$family"
-done
+.venv/bin/python -m angelspec_hf.ship "$OUT/dfly" drafters/smollm2-135m-instruct-dfly
+.venv/bin/python -m angelspec_hf.ship "$OUT/dflash" drafters/smollm2-135m-instruct-dflash --full-vocab

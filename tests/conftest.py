@@ -37,9 +37,10 @@ def tiny_target(vocab_size=99, seed=0, attn_implementation="eager", skew=6.0):
     return target
 
 
-def tiny_chat_target(seed=0):
+def tiny_chat_target(seed=0, favour=8.0):
     """A tiny random Llama with the embedded target's real tokenizer (vocabulary 49,152 and chat template), for
-    training tests; a few favoured tokens make its replies learnable in a few dozen steps."""
+    training tests; a few favoured tokens (LM-head rows scaled by `favour`) make its replies learnable in a few dozen
+    steps; `favour=1` leaves it unskewed (varied replies)."""
     from transformers import AutoTokenizer
 
     from angelspec_hf.targets import GGUF_FILE, default_target_path
@@ -50,7 +51,7 @@ def tiny_chat_target(seed=0):
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        target.lm_head.weight[3:6] *= 8
+        target.lm_head.weight[3:6] *= favour
     return target, tokenizer
 
 

@@ -141,3 +141,22 @@ def test_auto_draft_length_is_lossless_with_a_measured_policy(tmp_path, monkeypa
         assert drafter.draft_policy(target) is drafter.draft_policy(target)
         stats = drafter.last_speculation_stats
         assert stats.plain_steps + stats.rounds >= 30
+
+
+def test_lookup_length_weighs_lookups_against_the_drafter():
+    """A lookup costs no drafting: verified as far as its learned acceptance pays, and not taken when the drafter's
+    block is expected to give more tokens per second."""
+    policy = policy_with()
+    for _ in range(60):
+        policy.observe_lookup(1.0, 4, 4, None)  # long matches always accepted
+        policy.observe_lookup(1 / 3, 2, 0, None)  # one-token matches never
+    assert policy.lookup_length(1.0, 6, 4) >= 4
+    assert policy.lookup_length(1 / 3, 6, 4) == 0
+    strong = policy_with()
+    for _ in range(60):
+        strong.start_round(4)
+        for conf in (0.95,) * 4:
+            strong.keep_drafting(conf, 4)
+        strong.observe(4, 4, None, None)  # the drafter's blocks are always accepted whole
+        strong.observe_lookup(1.0, 4, 1, None)  # lookups mostly fail after one token
+    assert strong.lookup_length(1.0, 6, 4) == 0

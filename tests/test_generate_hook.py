@@ -77,8 +77,15 @@ def test_streamer_receives_every_token(target, family):
 def test_batch_over_one_names_the_batched_api(target, family):
     drafter = tiny_drafter(family, target)
     ids = torch.randint(3, 99, (2, 5))
-    with pytest.raises(ValueError, match="generate_batch"):
+    with pytest.raises(ValueError, match="generate_batch") as error:
         _greedy(target, ids, max_new_tokens=5, assistant_model=drafter)
+    import re
+
+    from angelspec_hf.tgi_patch.engine import generate_batch
+
+    call = re.search(r"generate_batch\(([^)]*)\)", str(error.value)).group(1)
+    named = re.findall(r"(\w+)=", call)  # the keyword the message tells users to pass exists
+    assert named and set(named) <= set(inspect.signature(generate_batch).parameters)
 
 
 @pytest.mark.parametrize(
@@ -148,3 +155,22 @@ def test_confidence_cut_drafts_fewer_tokens_and_stays_lossless(target, family):
     full = drafter.num_draft_tokens
     assert max(rounds[0.0]) == full and set(rounds[0.999]) == {1}
     assert sum(rounds[0.3]) / len(rounds[0.3]) < sum(rounds[0.0]) / len(rounds[0.0])
+
+
+@pytest.mark.parametrize("draft_length", ["auto", "full"])
+def test_ngram_lookup_rounds_are_lossless(target, family, draft_length):
+    """`lookup_tokens`: rounds verifying an n-gram lookup beside drafter rounds; prompts that repeat themselves, so
+    lookups are on offer and some are accepted."""
+    drafter = tiny_drafter(family, target, draft_length=draft_length, lookup_tokens=6, lookup_max_ngram=2)
+    gen = torch.Generator().manual_seed(11)
+    lookups = accepted = 0
+    for trial in range(6):
+        motif = torch.randint(3, 99, (1, int(torch.randint(2, 6, (1,), generator=gen))), generator=gen)
+        ids = motif.repeat(1, 4)
+        ref = _greedy(target, ids, max_new_tokens=32)
+        out = _greedy(target, ids, max_new_tokens=32, assistant_model=drafter)
+        assert torch.equal(ref, out), f"{family} with lookups diverged on trial {trial}"
+        stats = drafter.last_speculation_stats
+        lookups += stats.lookup_rounds
+        accepted += sum(stats.accepted)
+    assert lookups > 0 and accepted > 0

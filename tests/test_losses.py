@@ -47,3 +47,23 @@ def test_anchor_sampling_near_the_end():
     assert valid.all() and set(anchors.tolist()) <= {2, 3, 4, 6} and len(set(anchors.tolist())) == 2
     anchors, valid = sample_anchors(torch.tensor([1, 1, 0, 0]), 3)  # only position 0 precedes a supervised token
     assert not valid.any()
+
+
+def test_distillation_is_zero_at_the_teacher_and_adds_to_cross_entropy():
+    from angelspec_hf.trainer.losses import token_loss, weighted_distillation
+
+    torch.manual_seed(0)
+    teacher = torch.randn(5, 11)
+    weights = torch.tensor([1.0, 0.5, 0.5, 0.25, 1.0])
+    assert float(weighted_distillation(teacher.clone(), teacher, weights, 5)) == pytest.approx(0.0, abs=1e-6)
+    student = torch.randn(5, 11)
+    kl = weighted_distillation(student, teacher, weights, 5)
+    p = teacher.softmax(-1)
+    manual = ((p * (p.log() - student.log_softmax(-1))).sum(-1) * weights).sum() / 5
+    assert float(kl) == pytest.approx(float(manual), rel=1e-5) and float(kl) > 0
+    labels = torch.tensor([1, -100, 3, 4, 5])  # -100: no hard label (outside a pruned training vocabulary)
+    ce = token_loss(student, labels, weights, 5, kind="ce")
+    both = token_loss(student, labels, weights, 5, teacher, kind="ce+kl")
+    assert float(both) == pytest.approx(float(ce) + float(kl), rel=1e-5)
+    with pytest.raises(ValueError, match="needs the target's logits"):
+        token_loss(student, labels, weights, 5, kind="kl")

@@ -31,9 +31,9 @@ def _fit(samples, exact):
         return 0.0
 
 
-def hook_samples(target, drafter, new_tokens, seed, draws=DRAWS):
+def hook_samples(target, drafter, new_tokens, seed, draws=DRAWS, lookups=None):
     """`draws` calls of generate() with the drafter; returns the samples and (rounds, proposed, accepted, rounds whose
-    first draft token was accepted)."""
+    first draft token was accepted); `lookups` (a list) collects each call's n-gram lookup rounds."""
     torch.manual_seed(seed)
     samples, rounds, proposed, accepted, first = [], 0, 0, 0, 0
     with single_thread():
@@ -46,6 +46,8 @@ def hook_samples(target, drafter, new_tokens, seed, draws=DRAWS):
             proposed += sum(stats.proposed)
             accepted += sum(stats.accepted)
             first += sum(a > 0 for a in stats.accepted)
+            if lookups is not None:
+                lookups.append(stats.lookup_rounds)
     return samples, (rounds, proposed, accepted, first)
 
 
@@ -154,6 +156,18 @@ def test_goodness_of_fit_is_defined_on_every_input():
         goodness_of_fit(tokens, vector_distribution([0.5, 0.3, 0.1, 0.0]))  # does not sum to 1
 
 
+def _assert_exact_and_wrong_correction_caught(target, drafter, new_tokens, exact, samples, wrong_seed, monkeypatch,
+                                              label):
+    """`samples` fit `exact`, and the same drafter under a wrong correction rule (from p) is rejected: power."""
+    right = _fit(samples, exact)
+    with monkeypatch.context() as patch:
+        _correction_from_p(patch)
+        wrong_samples, _ = hook_samples(target, drafter, new_tokens, seed=wrong_seed)
+    wrong = {"correction from p": _fit(wrong_samples, exact)}
+    report(label, right, **wrong)
+    assert_power(right, wrong)
+
+
 def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
     """`draft_length="auto"`: how many tokens a round drafts (none, one, two) follows the drafter's confidence, the
     learned acceptance and the timed costs, all known before the token they decide about is drawn, so the output is
@@ -173,11 +187,50 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
     samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=4)
     assert rounds < proposed < 2 * rounds  # the policy drafted one token in some rounds, two in others
     assert 0 < accepted < proposed
-    right = _fit(samples, exact)
-    with monkeypatch.context() as patch:
-        _correction_from_p(patch)
-        wrong_samples, _ = hook_samples(target, drafter, new_tokens, seed=5)
-    wrong = {"correction from p": _fit(wrong_samples, exact)}
-    report(f"hook dfly, draft_length=auto, {DRAWS} draws, {rounds} rounds, {proposed} drafted, {accepted} accepted",
-           right, **wrong)
-    assert_power(right, wrong)
+    _assert_exact_and_wrong_correction_caught(
+        target, drafter, new_tokens, exact, samples, 5, monkeypatch,
+        f"hook dfly, draft_length=auto, {DRAWS} draws, {rounds} rounds, {proposed} drafted, {accepted} accepted")
+
+
+def test_ngram_lookup_rounds_keep_sampling_exact(target, monkeypatch):
+    """`lookup_tokens`: rounds that verify an n-gram lookup (q one-hot on the looked-up token) beside rounds that
+    verify the drafter's block keep the processed target distribution exactly; a wrong correction rule is rejected."""
+    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy, RoundCosts
+
+    class EveryOtherLookup(DraftLengthPolicy):  # timing-independent: lookups whenever on offer, every other call
+        calls = 0
+
+        def lookup_length(self, confidence, available, draft_tokens):
+            EveryOtherLookup.calls += 1
+            return available if EveryOtherLookup.calls % 2 else 0
+
+        def start_round(self, max_tokens):
+            return max_tokens > 0
+
+        def keep_drafting(self, confidence, max_tokens):
+            return len(self._round) + 1 < max_tokens
+
+    new_tokens = 4  # up to two drafted or looked-up positions per round
+    drafter = peaked_drafter("dflash", target)
+    drafter.config.draft_length, drafter.config.lookup_tokens, drafter.config.lookup_max_ngram = "auto", 2, 2
+    policy = EveryOtherLookup(RoundCosts((0.05, 0.001), (0.0, 0.006)), drafter.num_draft_tokens)
+    drafter.draft_policy = lambda target, cache_dir=None: policy
+    exact = exact_distribution(target, new_tokens, **PROCESSING)
+    lookups = []
+    samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=6, lookups=lookups)
+    assert sum(lookups) > DRAWS // 4 and rounds > sum(lookups)  # both kinds of round ran, many times
+    assert 0 < accepted < proposed
+    _assert_exact_and_wrong_correction_caught(
+        target, drafter, new_tokens, exact, samples, 7, monkeypatch,
+        f"hook dflash + lookup, {DRAWS} draws, {rounds} rounds ({sum(lookups)} lookups), {proposed} proposed, "
+        f"{accepted} accepted")
+
+
+def test_ngram_continuation():
+    from angelspec_hf.modeling.candidate_generator import ngram_continuation
+
+    ids = torch.tensor([7, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2])
+    assert ngram_continuation(ids, 3, 4) == ([4, 8, 1, 2], 2)  # latest earlier "1 2", not the first
+    assert ngram_continuation(ids, 1, 2) == ([4, 8], 1)
+    assert ngram_continuation(torch.tensor([5, 6, 7]), 3, 4) == ([], 0)
+    assert ngram_continuation(torch.tensor([5, 5]), 3, 4) == ([5], 1)

@@ -197,6 +197,8 @@ def test_stop_sequence_cuts_the_text_and_frees_the_slot(live):
     ({"inputs": "Hi", "parameters": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ({"inputs": "Hi", "parameters": {"temperature": 0}}, "temperature"),
     ({"inputs": "Hi", "parameters": {"top_k": 0}}, "top_k"),
+    ({"inputs": "Hi", "parameters": {"temperature": float("inf")}}, "finite"),  # json.dumps writes Infinity
+    ('{"inputs": "\\ud800 hi"}', "valid Unicode"),  # a lone surrogate: JSON can say it, no tokenizer can encode it
     ({"inputs": "word " * 200, "parameters": {"max_new_tokens": 4}}, "less than 128 tokens"),
 ])
 def test_bad_input_gets_tgi_error_and_server_keeps_serving(live, body, needle):
@@ -209,6 +211,25 @@ def test_bad_input_gets_tgi_error_and_server_keeps_serving(live, body, needle):
     bad_chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2})
     assert bad_chat.status_code == 422 and bad_chat.json()["error_type"] == "validation"
     assert requests.get(url + "/health").status_code == 200
+
+
+def test_extreme_sampling_parameters_are_served(live):
+    """Parameters that once failed every request in flight: a top-k past int64 and a temperature so small that
+    dividing by it overflowed (NaN probabilities). Now: the first keeps every token, the second is the argmax."""
+    url, _, _, _ = live
+    greedy = post(url, "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 6}}).json()
+    tiny = post(url, "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 6, "do_sample": True,
+                                                                         "temperature": 1e-39, "seed": 1}})
+    assert tiny.status_code == 200 and tiny.json()["generated_text"] == greedy["generated_text"]
+    huge = post(url, "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 6, "top_k": 2**63,
+                                                                         "seed": 1}})
+    assert huge.status_code == 200 and huge.json()["generated_text"]
+    parts = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}],
+                                               "max_tokens": 2})
+    assert parts.status_code == 422 and parts.json()["error_type"] == "validation"
+    surrogate = requests.post(url + "/tokenize", data='{"inputs": "\\ud800"}',
+                              headers={"Content-Type": "application/json"}, timeout=60)
+    assert surrogate.status_code == 422 and "valid Unicode" in surrogate.json()["error"]
 
 
 def test_seeded_sampling_is_reproducible(live):

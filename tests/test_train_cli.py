@@ -72,9 +72,11 @@ def test_killed_run_resumes_from_last_checkpoint(tiny, tmp_path):
 def test_output_is_what_a_push_uploads(tiny, tmp_path):
     out = tmp_path / "run"
     train_main(cli_args(tiny, out, "--max_steps", "2", "--save_strategy", "no", "--eval_prompts", "1",
-                        "--eval_max_new_tokens", "8"))
+                        "--eval_max_new_tokens", "8", "--loss_kind", "ce+kl"))
     files = {p.name for p in out.iterdir()}
-    assert {"model.safetensors", "config.json", "README.md", "modeling_dfly.py", "configuration_dfly.py"} <= files
+    assert {"model.safetensors", "config.json", "README.md", "modeling_dfly.py", "configuration_dfly.py",
+            "loss_curve.png"} <= files
+    assert "(loss_curve.png)" in (out / "README.md").read_text() and "loss: ce+kl" in (out / "README.md").read_text()
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: ") and "openai/gsm8k" in card
     assert "| humaneval |" in card and "| gsm8k |" in card and "block size 4" in card
@@ -171,3 +173,14 @@ def test_short_real_run_on_embedded_target(tmp_path):
                                         return_tensors="pt", return_dict=True)["input_ids"]
     kw = dict(max_new_tokens=12, do_sample=False)
     assert torch.equal(target.generate(ids, **kw), target.generate(ids, assistant_model=drafter, **kw))
+
+
+def test_trainer_api_imports_from_the_package_without_weighing_on_angelspec_hf():
+    import subprocess
+    import sys
+
+    code = ("import sys, angelspec_hf; assert 'angelspec_hf.trainer.trainer' not in sys.modules; "
+            "from angelspec_hf.trainer import DrafterTrainer, DrafterTrainingArguments; "
+            "from transformers import Trainer, TrainingArguments; "
+            "assert issubclass(DrafterTrainer, Trainer) and issubclass(DrafterTrainingArguments, TrainingArguments)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -119,11 +119,20 @@ def test_training_forward_equals_drafting(setup, family):
                 torch.testing.assert_close(lm_head(rows[i, 1:]), draft_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
-def test_loss_goes_down(setup, tmp_path, family):
+@pytest.mark.parametrize("family,loss_kind,pruned", [("mtp", "ce", False), ("dflash", "ce", False), ("dfly", "ce", False),
+                                                     ("mtp", "kl", True), ("dfly", "ce+kl", True)])
+def test_loss_goes_down(setup, tmp_path, family, loss_kind, pruned):
+    """Every family learns, with hard labels and with distillation from the target's logits, over the whole
+    vocabulary and over a pruned draft vocabulary (the target's reply tokens and some others)."""
     log = LossLog()
-    train(setup, make_args(tmp_path, family, setup[2], max_steps=30, learning_rate=1e-2), make_drafter(family, setup[0]),
-          [log])
+    drafter = make_drafter(family, setup[0])
+    if pruned:
+        _, tokenizer, folder = setup
+        replies = {t for ex in load_regenerated(tokenizer, folder, ["gsm8k"]) for t, s in
+                   zip(ex["input_ids"], ex["supervised"]) if s}
+        drafter.set_draft_vocab(sorted(replies | set(range(500))))
+    train(setup, make_args(tmp_path, family, setup[2], max_steps=30, learning_rate=1e-2, loss_kind=loss_kind),
+          drafter, [log])
     losses = [log.losses[s] for s in sorted(log.losses)]
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, " ".join(f"{x:.2f}" for x in losses)
 

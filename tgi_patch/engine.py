@@ -16,6 +16,8 @@ request is exact rejection sampling, its random numbers keyed by its seed and to
 
 from __future__ import annotations
 
+import math
+
 import itertools
 import random
 import time
@@ -46,10 +48,10 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and > 0 when sampling, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
+            raise ValueError(f"top_k must be an integer in [0, 2**63), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 

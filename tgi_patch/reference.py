@@ -1,5 +1,5 @@
-"""Torch reference implementations of the two hot steps of a batched speculative step. `kernels.py` has Triton
-versions with the same signatures and outputs, dispatched on CUDA; these run everywhere else and define the results
+"""Torch reference implementations of the two hot steps of a batched speculative step. `triton_kernels.py` has Triton
+versions (dispatched by `kernels.py`) with the same signatures and outputs, dispatched on CUDA; these run everywhere else and define the results
 the kernels are tested against."""
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
 def process_logits(logits, temperature, top_k, top_p) -> torch.Tensor:
     """Sampling probabilities `[N, V]` from logits `[N, V]` with per-row temperature `[N]` (> 0), top-k `[N]`
     (0 = off) and top-p `[N]` (1 = off), applied in transformers' order (temperature, top-k, top-p)."""
-    x = logits.float() / temperature[:, None].float()
+    x = logits.float()
+    # shifted so the top logit is 0 before dividing: a tiny temperature then gives -inf / 0 (the argmax), not inf - inf
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None].float()
     if bool((top_k > 0).any()):
         k = top_k.clamp(min=1, max=x.shape[-1])
         kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])

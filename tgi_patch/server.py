@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 import uuid
@@ -113,6 +114,28 @@ class TokenizeRequest(_Body):
 
 
 # ---------------------------------------------------------------- text
+def check_text(text: str, name: str) -> str:
+    """`text` if it is valid Unicode (JSON can carry lone surrogates, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValidationError(f"`{name}` is not valid Unicode text ({exc.reason} at position {exc.start})") from None
+    return text
+
+
+def message_text(content) -> str | None:
+    """A chat message's text: a string, or the concatenated `text` of its `{"type": "text"}` parts."""
+    if content is None or isinstance(content, str):
+        return None if content is None else check_text(content, "content")
+    parts = []
+    for part in content:
+        if part.get("type") == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValidationError("a `text` content part needs a string `text`")
+            parts.append(check_text(part["text"], "content"))
+    return "".join(parts)
+
+
 class TextStream:
     """TGI's incremental detokenisation: a token's text is what decoding it adds to the text of the tokens before
     it (five tokens of context), and stays empty while the text ends in an incomplete UTF-8 character. Special
@@ -220,7 +243,7 @@ class TGIServer:
         if ids is None:
             if not text:
                 raise ValidationError("`inputs` cannot be empty")
-            ids = self.tokenizer(text).input_ids
+            ids = self.tokenizer(check_text(text, "inputs")).input_ids
         if truncate is not None:
             if truncate <= 0 or truncate > self.max_input_tokens:
                 raise ValidationError(f"`truncate` must be strictly positive and less than {self.max_input_tokens}."
@@ -241,10 +264,12 @@ class TGIServer:
         if len(input_ids) + max_new_tokens > self.max_total_tokens:
             raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {self.max_total_tokens}. Given: "
                                   f"{len(input_ids)} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
-        if temperature is not None and temperature <= 0:
-            raise ValidationError("`temperature` must be strictly positive")
+        if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+            raise ValidationError("`temperature` must be strictly positive and finite")
         if top_k is not None and top_k <= 0:
             raise ValidationError("`top_k` must be strictly positive")
+        if top_k is not None:
+            top_k = min(top_k, 2**31 - 1)  # beyond the vocabulary it keeps every token; as an int64 it must fit
         if top_p is not None and not 0 < top_p <= 1:
             raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
         if seed is not None and not 0 <= seed < 2**63:
@@ -282,8 +307,7 @@ class TGIServer:
                                 top_logprobs=(body.top_logprobs, (0,)), tools=(body.tools, ()),
                                 tool_choice=(body.tool_choice, ("none",)), response_format=(body.response_format, ()),
                                 logit_bias=(body.logit_bias or None, ()))
-        messages = [{"role": m.role, "content": m.content if not isinstance(m.content, list) else "".join(
-            part.get("text", "") for part in m.content if part.get("type") == "text")} for m in body.messages]
+        messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation is a client error
@@ -529,7 +553,7 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        enc = tokenizer(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
+        enc = tokenizer(check_text(body.inputs, "inputs"), add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
         return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
                 for i, (a, b) in zip(enc.input_ids, enc.offset_mapping)]
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .data import TRAIN_SETS
+from .losses import LOSS_KINDS
 
 DRAFTER_TYPES = ("mtp", "dflash", "dfly")
 RECIPES = {"mtp": ("sharegpt", "alpaca"), "dflash": ("gsm8k", "code_alpaca", "gpteacher_codegen"),
@@ -17,7 +18,24 @@ RECIPES = {"mtp": ("sharegpt", "alpaca"), "dflash": ("gsm8k", "code_alpaca", "gp
 class DrafterTrainingArguments(TrainingArguments):
     drafter_type: str = field(default="dfly", metadata={"help": f"Drafter family: one of {DRAFTER_TYPES}."})
     block_size: int = field(default=8, metadata={"help": "DFlash/DFly: tokens per block (anchor + block_size-1 masks)."})
-    num_anchors: int = field(default=16, metadata={"help": "DFlash/DFly: blocks sampled per training sequence."})
+    num_anchors: int = field(
+        default=16, metadata={"help": "DFlash/DFly: blocks sampled per training sequence (one target forward serves "
+                                      "them all; every position before a supervised token is eligible)."}
+    )
+    resample_anchors: bool = field(
+        default=True, metadata={"help": "DFlash/DFly: draw the anchors afresh at every step (seeded by seed, step and "
+                                        "example, so a resumed run draws the same ones); False: the same anchors "
+                                        "for an example every epoch."}
+    )
+    loss_kind: str = field(
+        default="ce", metadata={"help": f"Token loss, one of {LOSS_KINDS}: hard-label cross-entropy on the target's "
+                                        "regenerated tokens, KL to the target's own logits (distillation), or both."}
+    )
+    train_vocab: str = field(
+        default="draft", metadata={"help": "'draft': a drafter with a pruned draft vocabulary is trained over exactly "
+                                           "those ids (what it drafts over; targets outside it carry no hard label, "
+                                           "the target's distribution is renormalised over it); 'full': over all."}
+    )
     loss_decay_gamma: float = field(
         default=4.0, metadata={"help": "DFlash/DFly: block row k is weighted exp(-(k-1)/gamma)."}
     )
@@ -65,6 +83,10 @@ class DrafterTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"mtp_step_weights needs {self.mtp_num_steps} non-negative weights, got {self.mtp_step_weights}"
             )
+        if self.loss_kind not in LOSS_KINDS:
+            raise ValueError(f"loss_kind must be one of {LOSS_KINDS}, got {self.loss_kind!r}")
+        if self.train_vocab not in ("draft", "full"):
+            raise ValueError(f"train_vocab must be 'draft' or 'full', got {self.train_vocab!r}")
         if self.feature_mode not in ("online", "cached"):
             raise ValueError(f"feature_mode must be 'online' or 'cached', got {self.feature_mode!r}")
         if self.feature_mode == "cached" and not self.feature_cache_dir:

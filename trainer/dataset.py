@@ -49,7 +49,7 @@ def load_regenerated(
 @dataclass
 class DrafterCollator:
     """Right-pads a batch. `labels` (supervised tokens, -100 elsewhere) is what the Trainer counts for
-    `num_items_in_batch`; cached `features` (when present) are padded with zeros."""
+    `num_items_in_batch`; cached `features` / `final` target states (when present) are padded with zeros."""
 
     pad_token_id: int
 
@@ -68,10 +68,11 @@ class DrafterCollator:
             "labels": input_ids.masked_fill(~supervised, -100),
             "example_index": torch.tensor([e["example_index"] for e in examples]),
         }
-        if "features" in examples[0]:
-            feats = [torch.as_tensor(e["features"], dtype=torch.float16) for e in examples]
-            out = feats[0].new_zeros(len(feats), width, feats[0].shape[-1])
-            for i, f in enumerate(feats):
-                out[i, : f.shape[0]] = f
-            batch["features"] = out
+        for key in ("features", "final"):  # cached target states
+            if key in examples[0]:
+                states = [torch.as_tensor(e[key], dtype=torch.float16) for e in examples]
+                out = states[0].new_zeros(len(states), width, states[0].shape[-1])
+                for i, f in enumerate(states):
+                    out[i, : f.shape[0]] = f
+                batch[key] = out
         return batch

@@ -3,6 +3,8 @@ EVAL prompts, and a `TrainerCallback` that logs it during training like any metr
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import TrainerCallback
 
@@ -11,20 +13,36 @@ from angelspec_hf.prompts import chat_input_ids, load_eval_prompts
 DOMAIN_EVAL_SETS = {"mtp": ("mt_bench",), "dflash": ("humaneval", "gsm8k"), "dfly": ("humaneval", "gsm8k")}
 
 
+@contextmanager
+def whole_blocks(drafter):
+    """Draft every round's whole block (no cost-aware length, no confidence cut): acceptance measured this way is the
+    drafter's own, not the serving policy's."""
+    saved = drafter.config.draft_length, drafter.config.draft_stop_threshold
+    drafter.config.draft_length, drafter.config.draft_stop_threshold = "full", 0.0
+    try:
+        yield drafter
+    finally:
+        drafter.config.draft_length, drafter.config.draft_stop_threshold = saved
+
+
 @torch.no_grad()
 def measure_acceptance(target, drafter, tokenizer, prompts: list[str], max_new_tokens: int = 64) -> dict:
-    """Greedy (temperature 0) τ over `prompts`: tokens per target forward, bonus token included, pooled over rounds."""
+    """Greedy (temperature 0) τ over `prompts`, whole blocks drafted: tokens per target forward, bonus token included,
+    pooled over rounds; `first` is the share of rounds whose first draft token was accepted."""
     was_training = drafter.training
     drafter.eval()
-    accepted = rounds = 0
-    for prompt in prompts:
-        ids = chat_input_ids(tokenizer, prompt).to(target.device)
-        target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
-        stats = drafter.last_speculation_stats
-        accepted += sum(stats.accepted)
-        rounds += stats.rounds
+    accepted = rounds = first = 0
+    with whole_blocks(drafter):
+        for prompt in prompts:
+            ids = chat_input_ids(tokenizer, prompt).to(target.device)
+            target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+            stats = drafter.last_speculation_stats
+            accepted += sum(stats.accepted)
+            rounds += stats.rounds
+            first += sum(a >= 1 for a in stats.accepted)
     drafter.train(was_training)
-    return {"tau": (accepted + rounds) / max(rounds, 1), "rounds": rounds, "prompts": len(prompts)}
+    return {"tau": (accepted + rounds) / max(rounds, 1), "first": first / max(rounds, 1), "rounds": rounds,
+            "prompts": len(prompts)}
 
 
 class AcceptanceEvalCallback(TrainerCallback):
@@ -42,11 +60,10 @@ class AcceptanceEvalCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         drafter = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        self.last = {
-            f"tau/{name}": measure_acceptance(self.trainer.target, drafter, self.tokenizer, prompts,
-                                              self.max_new_tokens)["tau"]
-            for name, prompts in self.prompts.items()
-        }
+        self.last = {}
+        for name, prompts in self.prompts.items():
+            result = measure_acceptance(self.trainer.target, drafter, self.tokenizer, prompts, self.max_new_tokens)
+            self.last |= {f"tau/{name}": result["tau"], f"first/{name}": result["first"]}
         self.trainer.log(dict(self.last))
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -27,25 +27,54 @@ def sample_anchors(
     return chosen, valid
 
 
+LOSS_KINDS = ("ce", "kl", "ce+kl")
+
+
 def weighted_cross_entropy(logits: torch.Tensor, labels: torch.LongTensor, weights: torch.Tensor, num_items):
-    """`Σ_i weights_i · CE(logits_i, labels_i) / num_items` over supervised rows: logits `[M, V]`, labels `[M]`."""
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    """`Σ_i weights_i · CE(logits_i, labels_i) / num_items` over supervised rows: logits `[M, V]`, labels `[M]`
+    (`-100`: no hard label for that row, e.g. a token outside a pruned training vocabulary)."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=-100)
     return (ce * weights).sum() / _as_count(num_items, ce)
 
 
-def block_diffusion_loss(logits, labels, rows: torch.LongTensor, gamma: float, num_items) -> torch.Tensor:
-    """DFlash / DFly: cross-entropy of supervised block rows, row k (1-based, `rows` `[M]`) weighted
+def weighted_distillation(logits, teacher_logits, weights, num_items) -> torch.Tensor:
+    """`Σ_i weights_i · KL(softmax(teacher_i) || softmax(logits_i)) / num_items`: the drafter matches the target's
+    whole next-token distribution (what rejection sampling accepts against), not only its argmax."""
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    student = F.log_softmax(logits.float(), dim=-1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1)
+    return (kl * weights).sum() / _as_count(num_items, kl)
+
+
+def token_loss(logits, labels, weights, num_items, teacher_logits=None, kind: str = "ce") -> torch.Tensor:
+    """The per-token objective `kind` (`LOSS_KINDS`): hard-label cross-entropy, distillation from the target's logits
+    (`teacher_logits`, same rows and columns as `logits`), or their sum."""
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"loss kind must be one of {LOSS_KINDS}, got {kind!r}")
+    loss = weighted_cross_entropy(logits, labels, weights, num_items) if "ce" in kind else 0.0
+    if "kl" in kind:
+        if teacher_logits is None:
+            raise ValueError(f"loss kind {kind!r} needs the target's logits")
+        loss = loss + weighted_distillation(logits, teacher_logits, weights, num_items)
+    return loss
+
+
+def block_diffusion_loss(logits, labels, rows: torch.LongTensor, gamma: float, num_items, teacher_logits=None,
+                         kind: str = "ce") -> torch.Tensor:
+    """DFlash / DFly: the token loss of supervised block rows, row k (1-based, `rows` `[M]`) weighted
     `exp(-(k - 1) / gamma)`: the first drafted token matters most, since a miss ends the accepted run."""
     if gamma <= 0:
         raise ValueError(f"gamma must be positive, got {gamma}")
-    return weighted_cross_entropy(logits, labels, torch.exp(-(rows.float() - 1) / gamma), num_items)
+    weights = torch.exp(-(rows.float() - 1) / gamma)
+    return token_loss(logits, labels, weights, num_items, teacher_logits, kind)
 
 
-def mtp_unrolled_loss(logits, labels, steps: torch.LongTensor, step_weights, num_items) -> torch.Tensor:
-    """MTP: cross-entropy of supervised predictions, step j (0-based, `steps` `[M]`) weighted `step_weights[j]`;
+def mtp_unrolled_loss(logits, labels, steps: torch.LongTensor, step_weights, num_items, teacher_logits=None,
+                      kind: str = "ce") -> torch.Tensor:
+    """MTP: the token loss of supervised predictions, step j (0-based, `steps` `[M]`) weighted `step_weights[j]`;
     steps after the first were computed from the drafter's own earlier outputs (unrolled, as in drafting)."""
     weights = torch.as_tensor(step_weights, dtype=torch.float32, device=logits.device)[steps]
-    return weighted_cross_entropy(logits, labels, weights, num_items)
+    return token_loss(logits, labels, weights, num_items, teacher_logits, kind)
 
 
 def _as_count(num_items, like: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,51 @@ _DATASET_IDS = {  # TRAIN sets → their public sources (for the card's `dataset
 }
 
 
-def model_card(drafter, base_model: str, train_sets, acceptance: dict, training: dict | None = None) -> str:
-    """Markdown with a Hub YAML header. `acceptance` maps EVAL set → τ (greedy, temperature 0)."""
+def acceptance_rows(acceptance: dict, draft_desc: str) -> str:
+    """Table rows: `acceptance` maps EVAL set → τ (greedy, whole blocks, from the training run's eval), or
+    `(set, temperature)` → `{"tau", "first", "prompts", "tokens"}` (from `angelspec bench`)."""
+    rows = []
+    for key, value in acceptance.items():
+        if isinstance(value, dict):
+            name, temperature = key
+            rows.append(f"| {name} | {value['tau']:.2f} | {value['first']:.2f} | {temperature:g} | "
+                        f"{value['prompts']} prompts × {value['tokens']} tokens, {draft_desc} |")
+        else:
+            rows.append(f"| {key} | {value:.2f} | | 0 (greedy) | {draft_desc} |")
+    return "\n".join(rows)
+
+
+def plot_loss_curve(log_history: list[dict], path) -> Path | None:
+    """The training loss against the step (and the eval τ per set on a second axis) as a PNG; None without logs."""
+    losses = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    if not losses:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(*zip(*losses), color="tab:blue", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss", color="tab:blue")
+    names = sorted({k for h in log_history for k in h if k.startswith("tau/")})
+    taus = {k: [(h["step"], h[k]) for h in log_history if k in h and "step" in h] for k in names}
+    if taus:
+        ax2 = ax.twinx()
+        for name, points in taus.items():
+            ax2.plot(*zip(*points), marker="o", label=name)
+        ax2.set_ylabel("eval τ (greedy)")
+        ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def model_card(drafter, base_model: str, train_sets, acceptance: dict, training: dict | None = None,
+               loss_curve: str | None = None) -> str:
+    """Markdown with a Hub YAML header; `acceptance` as `acceptance_rows` takes it; `loss_curve` a PNG beside it."""
     c = drafter.config
     family = type(drafter).__name__
     block = getattr(c, "block_size", None)
@@ -21,8 +64,10 @@ def model_card(drafter, base_model: str, train_sets, acceptance: dict, training:
     header = ["---", f"base_model: {base_model}", "library_name: transformers", "tags:", "- speculative-decoding",
               "- angelspec", f"- {c.model_type}", "datasets:"]
     header += [f"- {_DATASET_IDS[s]}" for s in train_sets if s in _DATASET_IDS] + ["---", ""]
-    rows = "\n".join(f"| {name} | {tau:.2f} | 0 (greedy) | {draft_desc} |" for name, tau in acceptance.items())
+    rows = acceptance_rows(acceptance, draft_desc)
     trained = "\n".join(f"- {k}: {v}" for k, v in (training or {}).items())
+    if loss_curve:
+        trained += f"\n\n![training loss and eval τ]({loss_curve})"
     body = f"""# {family} drafter for {base_model}
 
 A speculative-decoding drafter ({family}, `model_type: {c.model_type}`) trained with angelspec-hf on the target's
@@ -38,10 +83,11 @@ out = target.generate(**inputs, assistant_model=drafter)   # identical tokens to
 
 ## Measured acceptance
 
-Mean accepted length τ (tokens per target forward, bonus token included) with `generate(assistant_model=...)`:
+Mean accepted length τ (tokens per target forward, bonus token included) and the share of rounds whose first draft
+token was accepted, with `generate(assistant_model=...)`, whole blocks drafted:
 
-| eval set | τ | temperature | drafting |
-|---|---|---|---|
+| eval set | τ | first token accepted | temperature | measured on |
+|---|---|---|---|---|
 {rows}
 
 ## Training
@@ -51,7 +97,10 @@ Mean accepted length τ (tokens per target forward, bonus token included) with `
     return "\n".join(header) + body
 
 
-def write_model_card(folder, *args, **kwargs) -> Path:
+def write_model_card(folder, *args, log_history=None, **kwargs) -> Path:
+    """README.md in `folder` (and `loss_curve.png` from the trainer's `log_history`, when given)."""
+    if log_history and plot_loss_curve(log_history, Path(folder) / "loss_curve.png"):
+        kwargs["loss_curve"] = "loss_curve.png"
     path = Path(folder) / "README.md"
     path.write_text(model_card(*args, **kwargs), encoding="utf-8")
     return path

@@ -25,6 +25,10 @@ class ModelArguments:
     init_drafter: str | None = field(
         default=None, metadata={"help": "Start from this drafter (folder or Hub id) instead of a fresh one."}
     )
+    draft_vocab_from: str | None = field(
+        default=None, metadata={"help": "Give the drafter the pruned draft vocabulary of this drafter (folder or Hub "
+                                        "id); training then runs over those ids (see train_vocab)."}
+    )
     lora_r: int = field(default=0, metadata={"help": "> 0: train a LoRA adapter of this rank (PEFT) instead."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
@@ -54,6 +58,12 @@ def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target)
         else:
             overrides["block_size"] = args.block_size
         drafter = DRAFTERS[args.drafter_type][1].from_target(target, **overrides)
+    if margs.draft_vocab_from:
+        ids = getattr(angelspec_hf.load_drafter(margs.draft_vocab_from), "draft_vocab_ids", None)
+        if ids is None:
+            raise ValueError(f"{margs.draft_vocab_from} has no pruned draft vocabulary (draft_vocab_ids)")
+        drafter.set_draft_vocab(ids)
+    drafter.float()  # trained in fp32 even when started from a shipped fp16 drafter
     if margs.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -77,7 +87,8 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     dataset = load_regenerated(tokenizer, args.regenerated_dir, args.train_sets, args.max_seq_length,
                                args.max_train_samples, args.seed)
     if args.feature_mode == "cached":
-        dataset = cache_features(target, dataset, drafter.config.target_layer_ids, args.feature_cache_dir)
+        dataset = cache_features(target, dataset, drafter.config.target_layer_ids, args.feature_cache_dir,
+                                 final="kl" in args.loss_kind)
     trainer = DrafterTrainer(drafter, args, target, train_dataset=dataset,
                              data_collator=DrafterCollator(tokenizer.pad_token_id))
     trainer.base_model_id = margs.target or EMBEDDED_TARGET_ID
@@ -89,11 +100,14 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     if margs.resume and Path(args.output_dir).is_dir():
         resume = last_complete_checkpoint(args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
-    trainer.acceptance = {k.split("/", 1)[1]: v for k, v in (callback.last if callback else {}).items()}
+    trainer.acceptance = {k.split("/", 1)[1]: v for k, v in (callback.last if callback else {}).items()
+                          if k.startswith("tau/")}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trainer.training_summary = {
         "drafter": args.drafter_type, "steps": trainer.state.global_step,
         "epochs": f"{trainer.state.epoch:.2f}", "sequences": len(dataset),
+        "loss": args.loss_kind, "anchors per sequence": args.num_anchors,
+        "anchors": "redrawn every step" if args.resample_anchors else "fixed per example",
         "tokens per epoch": sum(len(ids) for ids in dataset["input_ids"]),
         "supervised tokens per epoch": sum(sum(s) for s in dataset["supervised"]),
         "mean training loss": f"{result.training_loss:.4f}",

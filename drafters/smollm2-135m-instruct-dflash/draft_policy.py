@@ -203,6 +203,8 @@ class DraftLengthPolicy:
         self.step = LinearFit(*costs.step_coef, prior_span=max_tokens + 1)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.calibrator = PositionCalibrator(max_tokens)
+        # lookups: acceptance per position by matched n-gram length (as a fraction of the longest), a cautious prior
+        self.lookups = PositionCalibrator(max(max_tokens, 16), prior_scale=0.5)
         self.max_tokens = max_tokens
         self.probe_every, self.max_backoff = probe_every, max_backoff
         self.backoff, self.plain_left, self.probe_due = probe_every, 0, False
@@ -237,6 +239,24 @@ class DraftLengthPolicy:
         self.backoff = min(2 * self.backoff, self.max_backoff)
         return False
 
+    def best_rate(self, max_tokens: int) -> float:
+        """Expected tokens per second of the best of a plain step and a drafted round of up to `max_tokens`."""
+        return max(self.expected_rate(k) for k in range(max_tokens + 1))
+
+    def lookup_length(self, confidence: float, available: int, draft_tokens: int) -> int:
+        """How many tokens of an n-gram lookup continuation (`available`, matched with `confidence` = matched length
+        / longest) to verify this round: the length with the best expected tokens per second (lookups cost no
+        drafting), or 0 when a drafted round or a plain step is expected to do better. Decided from the context and
+        past rounds only, never from the draws the verification makes."""
+        best_k, best, survival, tokens = 0, self.best_rate(draft_tokens), 1.0, 1.0
+        for k in range(1, available + 1):
+            survival *= self.lookups(k - 1, confidence)
+            tokens += survival
+            rate = tokens / self.step(1 + k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
     def keep_drafting(self, confidence: float, max_tokens: int) -> bool:
         """After drafting one more position with `confidence` (the peak of the drafter's distribution there): is the
         next position worth drafting and verifying?"""
@@ -253,6 +273,11 @@ class DraftLengthPolicy:
         return marginal_gain * cost > self._expected * marginal_cost
 
     # ---- what happened -------------------------------------------------------------------------------------------
+    def observe_lookup(self, confidence: float, proposed: int, accepted: int, step_seconds: float | None) -> None:
+        self.lookups.update([confidence] * proposed, accepted)
+        if step_seconds is not None:
+            self.step.add(1 + proposed, step_seconds)
+
     def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None) -> None:
         if drafted:
             self.calibrator.update(self._round[:drafted], accepted)
