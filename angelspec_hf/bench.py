@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -106,10 +107,16 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
         warm = chat_input_ids(tokenizer, "Hi")
         for method in methods:  # warm every path once, so no method is timed cold
             target.generate(warm, max_new_tokens=4, do_sample=False, **method_kwargs(method, drafters))
+        total, done, began = sum(map(len, prompt_sets.values())) * len(temperatures), 0, time.perf_counter()
         for set_name, prompts in prompt_sets.items():
             for index, prompt in enumerate(prompts):
                 ids = chat_input_ids(tokenizer, prompt).to(target.device)
                 for temperature in temperatures:
+                    if done:  # progress on long runs, on stderr (stdout keeps the table)
+                        left = (time.perf_counter() - began) / done * (total - done)
+                        print(f"[bench] {done}/{total} prompt-temperature pairs done, ~{left / 60:.0f} min left",
+                              file=sys.stderr, flush=True)
+                    done += 1
                     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
                         else dict(do_sample=False)
                     reference = None

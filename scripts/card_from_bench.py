@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from angelspec_hf.trainer.model_card import acceptance_rows
+from angelspec_hf.trainer.model_card import ACCEPTANCE_HEADER, acceptance_rows
 
 
 def acceptance_from_bench(results: dict, method: str) -> dict:
@@ -44,11 +44,11 @@ def main(argv=None) -> int:
     block = config.get("block_size")
     desc = f"block size {block}" if block else f"{config.get('num_draft_tokens')} draft tokens per round"
     rows = acceptance_rows(acceptance, desc)
-    table = re.compile(r"(\| eval set \|[^\n]*\n\|[-| ]+\|\n)((?:\|[^\n]*\n)*)")
+    table = re.compile(r"\| eval set \|[^\n]*\n\|[-| ]+\|\n(?:\|[^\n]*\n)*")
     if not table.search(text):
         raise SystemExit(f"{card} has no acceptance table")
     setting = results["meta"]["setting"]
-    text = table.sub(lambda m: m.group(1) + rows + "\n", text, count=1)
+    text = table.sub(lambda m: ACCEPTANCE_HEADER + "\n" + rows + "\n", text, count=1)
     text = re.sub(r"\n_Measured by `angelspec bench`[^\n]*\n", "\n", text)
     text = text.replace(rows + "\n", rows + f"\n\n_Measured by `angelspec bench` ({setting})._\n", 1)
     card.write_text(text)

@@ -22,8 +22,11 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert code == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["method"], r["temperature"]): r for r in result["summary"]}
-    assert {m for m, _ in rows} == {"ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "dflash",
-                                    "dflash_full", "dfly", "dfly_full", "router"}
+    assert {m for m, _ in rows} == {"ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "mtp+lookup", "dflash",
+                                    "dflash_full", "dflash+lookup", "dfly", "dfly_full", "dfly+lookup", "router"}
+    lookups = [r["lookup_rounds"] for r in result["records"] if r["method"].endswith("+lookup")]
+    assert all(n is not None for n in lookups) and not any(
+        r["lookup_rounds"] for r in result["records"] if r["method"] in ("dfly", "dfly_full"))
     assert rows[("ar", 0.0)]["tau"] == 1.0 and rows[("ar", 0.0)]["speedup"] == 1.0
     # the round split: AR never drafts; whole blocks always do; the parts add up to the time per forward
     assert rows[("ar", 0.0)]["round_draft"] == 0 and rows[("dfly_full", 0.0)]["round_draft"] > 0

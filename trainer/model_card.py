@@ -12,6 +12,9 @@ _DATASET_IDS = {  # TRAIN sets → their public sources (for the card's `dataset
 }
 
 
+ACCEPTANCE_HEADER = "| eval set | τ | first token accepted | temperature | measured on |\n|---|---|---|---|---|"
+
+
 def acceptance_rows(acceptance: dict, draft_desc: str) -> str:
     """Table rows: `acceptance` maps EVAL set → τ (greedy, whole blocks, from the training run's eval), or
     `(set, temperature)` → `{"tau", "first", "prompts", "tokens"}` (from `angelspec bench`)."""
@@ -86,8 +89,7 @@ out = target.generate(**inputs, assistant_model=drafter)   # identical tokens to
 Mean accepted length τ (tokens per target forward, bonus token included) and the share of rounds whose first draft
 token was accepted, with `generate(assistant_model=...)`, whole blocks drafted:
 
-| eval set | τ | first token accepted | temperature | measured on |
-|---|---|---|---|---|
+{ACCEPTANCE_HEADER}
 {rows}
 
 ## Training
