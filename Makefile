@@ -4,6 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DRAFTERS := $(VENV)/.drafters
 
 .PHONY: demo space test
 
@@ -19,10 +20,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps text-generation==0.7.0   # TGI's client, for the server tests; it pins huggingface-hub<1
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The shipped drafters, into the local HF cache under their Hub ids (angelspec-hf/smollm2-135m-instruct-*), where the
+# package finds them offline as an installed copy would; again whenever drafters/ changes. No network.
+$(DRAFTERS): $(STAMP) $(wildcard drafters/*/*)
+	$(BIN)/angelspec install-drafters --from drafters
+	touch $@
+
+demo: $(DRAFTERS)
 	$(BIN)/angelspec generate
 
-space: $(STAMP)
+space: $(DRAFTERS)
 	$(BIN)/angelspec demo   # the Gradio Space, locally: http://127.0.0.1:7860
 
 # the browser test drives Debian's Chromium through Playwright (never `playwright install`: it downloads a browser)
@@ -31,6 +38,6 @@ $(VENV)/.chromium: $(STAMP)
 		|| { echo "need Debian's chromium (/usr/bin/chromium): run as root or install it"; exit 1; }
 	touch $@
 
-test: $(STAMP) $(VENV)/.chromium
+test: $(DRAFTERS) $(VENV)/.chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q

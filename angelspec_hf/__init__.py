@@ -28,7 +28,13 @@ for _config_cls, _model_cls in DRAFTERS.values():
 def load_drafter(name_or_path, **kwargs) -> DrafterPreTrainedModel:
     """A drafter from a folder or Hub id: native AngelSpec, z-lab DFlash or AngelSpec DFly layout."""
     model = load_foreign_checkpoint(None, name_or_path, **kwargs)
-    return model if model is not None else AutoModel.from_pretrained(name_or_path, **kwargs).eval()
+    if model is not None:
+        return model
+    if kwargs.get("local_files_only") and "adapter_kwargs" not in kwargs:
+        # transformers 5.24's AutoModel.from_pretrained does not hand `local_files_only` / `cache_dir` on to its PEFT
+        # adapter look-up (adapter_config.json), which then asks the Hub even so
+        kwargs["adapter_kwargs"] = {k: kwargs[k] for k in ("local_files_only", "cache_dir") if k in kwargs}
+    return AutoModel.from_pretrained(name_or_path, **kwargs).eval()
 
 
 __version__ = "0.1.0"

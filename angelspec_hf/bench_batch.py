@@ -67,7 +67,8 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
 def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], concurrencies, requests_per_client=2,
                           max_new_tokens=64, fixed_depths=(1, 3, 7), fixed_for=("dfly",),
                           cost_model_cache=None) -> list[dict]:
-    """drafters: {name: drafter}. Every drafter runs with D-Cut; those in `fixed_for` also at each fixed depth.
+    """drafters: {name: drafter}. Every drafter runs with D-Cut (and, when its config proposes n-gram lookups, with
+    D-Cut and no lookups: `<name>-dcut-nolookup`); those in `fixed_for` also at each fixed depth.
     Returns one record per (concurrency, method)."""
     max_batch = max(concurrencies)
     engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max_batch)}
@@ -77,6 +78,10 @@ def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], conc
             label = f"{name}-dcut" if mode == "auto" else f"{name}-{mode}"
             engines[label] = SpeculativeEngine(target, drafter, verify=mode, max_batch_size=max_batch,
                                                cost_model_cache=cost_model_cache)
+        if getattr(drafter.config, "lookup_tokens", 0):  # its n-gram lookups on (as configured) and off
+            engines[f"{name}-dcut-nolookup"] = SpeculativeEngine(target, drafter, verify="auto", lookup_tokens=0,
+                                                                 max_batch_size=max_batch,
+                                                                 cost_model_cache=cost_model_cache)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     closed_loop(engines["plain"], prompts[:1], 1, 1, SamplingParams(max_new_tokens=4))  # warm-up
     records = []

@@ -3,7 +3,8 @@ printing the text, the mean accepted length and the speed-up over plain `generat
 `angelspec regenerate` writes the target's own responses to TRAIN prompts (self-distillation data).
 `angelspec prune-vocab` gives a drafter a pruned draft vocabulary (the target's most frequent reply tokens).
 `angelspec serve` runs a TGI-compatible HTTP server on the batched speculative engine.
-`angelspec demo` runs the Gradio Space (`spaces_demo/app.py`) locally."""
+`angelspec demo` runs the Gradio Space (`spaces_demo/app.py`) locally.
+`angelspec install-drafters` puts the shipped drafters into the local HF cache, where the commands above find them."""
 
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ def cmd_generate(args) -> int:
     print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} ...", flush=True)
     target, tokenizer = angelspec_hf.load_target(args.target)
     if args.drafter in DRAFTERS:
-        from angelspec_hf.shipped import shipped_drafter_path, shipped_or_untrained
+        from angelspec_hf.shipped import shipped_or_untrained
 
         why = []
         drafter, trained = shipped_or_untrained(args.drafter, target, why=why)
         if trained:
-            print(f"drafter: shipped {args.drafter} drafter {shipped_drafter_path(args.drafter)}")
+            print(f"drafter: {why[0]}")
         else:
             print(
-                f"NOTE: {why[0]}, so this {args.drafter} drafter is UNTRAINED (random weights): expect a mean "
+                f"NOTE: this {args.drafter} drafter is UNTRAINED (random weights): {why[0]}. Expect a mean "
                 "accepted length near 1 and a slow-down. The output is still identical to plain generate, which "
                 "is what this run checks."
             )
@@ -123,10 +124,13 @@ def cmd_serve(args) -> int:
     if args.drafter == "none":
         drafter = None
     elif args.drafter in DRAFTERS:
-        drafter, trained = shipped_or_untrained(args.drafter, target)
-        if not trained:
-            print(f"NOTE: no trained {args.drafter} drafter is shipped, so this one is UNTRAINED: outputs are still "
-                  "the target's own, but expect a slow-down (the cost model falls back to plain steps).")
+        why = []
+        drafter, trained = shipped_or_untrained(args.drafter, target, why=why)
+        if trained:
+            print(f"drafter: {why[0]}")
+        else:
+            print(f"NOTE: this {args.drafter} drafter is UNTRAINED (random weights): {why[0]}. Outputs are still the "
+                  "target's own, but expect a slow-down (the cost model falls back to plain steps).")
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)
     if args.verify == "auto":
@@ -137,6 +141,8 @@ def cmd_serve(args) -> int:
         engine, tokenizer, model_id,
         max_input_tokens=min(args.max_input_tokens, max_total - 1, engine.max_prefill_tokens),
         max_total_tokens=max_total, max_concurrent_requests=args.max_concurrent_requests,
+        max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
+        max_payload_bytes=args.payload_limit, max_client_batch_size=args.max_client_batch_size,
         info_extra={"angelspec": {"drafter": args.drafter, "drafter_trained": trained, "verify": args.verify,
                                   "max_batch_size": args.max_batch_size}},
     )
@@ -154,26 +160,63 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_install_drafters(args) -> int:
+    """Put the shipped drafters into the local HF cache under their Hub ids (no network), so an installed package
+    loads them by id; checked with huggingface_hub's offline resolution."""
+    from angelspec_hf.hub_cache import hub_cache_dir
+    from angelspec_hf.shipped import install_shipped
+
+    families = [f for f in args.families.split(",") if f]
+    try:
+        installed = install_shipped(args.source, args.cache_dir, families)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"cannot install the shipped drafters: {error}")
+        return 1
+    print(f"HF cache: {hub_cache_dir(args.cache_dir)}")
+    for repo_id, snapshot, revision, changed in installed:
+        print(f"{repo_id}: revision {revision[:12]} ({'installed' if changed else 'already there'}) -> {snapshot}")
+    return 0
+
+
 def cmd_export(args) -> int:
-    """Write a DFlash drafter in z-lab's Hub layout and check that it loads back unchanged."""
+    """Write a drafter in a serving engine's layout and check that it loads back unchanged: a DFlash drafter in
+    z-lab's (`--format zlab`), an MTP drafter with `layout="eagle3"` in EAGLE-3's (`--format eagle3`, which also needs
+    the target, whose LM head rows the export carries)."""
     import torch
 
     import angelspec_hf
-    from angelspec_hf.modeling.converters import export_zlab_dflash
+    from angelspec_hf.modeling import DRAFTERS
+    from angelspec_hf.modeling.converters import check_eagle_exportable, export_eagle, export_zlab_dflash
     from angelspec_hf.shipped import shipped_drafter_path
 
-    source = str(shipped_drafter_path("dflash") or "") if args.drafter == "dflash" else args.drafter
-    if not source:
-        print("no shipped DFlash drafter: pass a folder or Hub id")
-        return 1
+    source = args.drafter or {"zlab": "dflash", "eagle3": "mtp"}[args.format]
+    if source in DRAFTERS:
+        source = str(shipped_drafter_path(source) or "")
+        if not source:
+            print(f"no shipped {args.drafter or args.format} drafter: pass a folder or Hub id")
+            return 1
     drafter = angelspec_hf.load_drafter(source)
-    folder = export_zlab_dflash(drafter, args.out)
+    try:
+        if args.format == "zlab":
+            folder, keys = export_zlab_dflash(drafter, args.out), ("block_size", "mask_token_id")
+        else:
+            from transformers import AutoModelForCausalLM
+
+            check_eagle_exportable(drafter)  # before loading the target
+            target = (AutoModelForCausalLM.from_pretrained(args.target) if args.target
+                      else angelspec_hf.load_default_target()[0])
+            folder, keys = export_eagle(drafter, args.out, target), ("layout", "draft_vocab_size", "num_draft_tokens")
+    except ValueError as error:
+        print(f"cannot export {source}: {error}")
+        return 1
     back = angelspec_hf.load_drafter(str(folder), dtype=drafter.dtype)
-    same = type(back) is type(drafter) and all(
-        torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), back.state_dict().values()))
+    mine, theirs = drafter.state_dict(), back.state_dict()
+    same = type(back) is type(drafter) and mine.keys() == theirs.keys() and all(
+        torch.equal(mine[k], theirs[k]) for k in mine)
     same = same and all(getattr(back.config, k) == getattr(drafter.config, k)
-                        for k in ("block_size", "mask_token_id", "target_layer_ids", "num_hidden_layers"))
-    print(f"wrote {folder} (z-lab DFlash layout); loads back unchanged: {'yes' if same else 'NO'}")
+                        for k in keys + ("target_layer_ids", "num_hidden_layers"))
+    layout = {"zlab": "z-lab DFlash", "eagle3": "EAGLE-3 (vLLM / SGLang)"}[args.format]
+    print(f"wrote {folder} ({layout} layout); loads back unchanged: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
 
@@ -183,15 +226,29 @@ def main(argv=None) -> int:
     gen = sub.add_parser("generate", help="speculative generation vs plain generate, side by side")
     gen.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--drafter", default="dfly",
-                     help="mtp | dflash | dfly (the shipped drafter; untrained where none ships) or a folder/id")
+                     help="mtp | dflash | dfly (the shipped drafter, by Hub id from the HF cache or from this checkout; "
+                     "untrained, with the reason, where none is found) or a folder/id")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--repeats", type=int, default=3)
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
-    exp = sub.add_parser("export", help="a DFlash drafter in z-lab's Hub layout (served by vLLM and SGLang)")
-    exp.add_argument("drafter", nargs="?", default="dflash", help="folder or Hub id (default: the shipped DFlash)")
+    inst = sub.add_parser("install-drafters", help="put the shipped drafters into the local HF cache under their "
+                          "Hub ids (offline), where `generate`, `serve`, `bench` and the demo find them")
+    inst.add_argument("--from", dest="source", default=None,
+                      help="folder holding smollm2-135m-instruct-{mtp,dflash,dfly}/ (default: drafters/ of this checkout)")
+    inst.add_argument("--cache-dir", default=None,
+                      help="HF hub cache (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    inst.add_argument("--families", default="mtp,dflash,dfly")
+    inst.set_defaults(func=cmd_install_drafters)
+    exp = sub.add_parser("export", help="a drafter in the layout vLLM and SGLang serve (z-lab DFlash or EAGLE-3)")
+    exp.add_argument("drafter", nargs="?", default=None,
+                     help="folder or Hub id, or mtp | dflash (the shipped one; default: the format's family)")
+    exp.add_argument("--format", choices=("zlab", "eagle3"), default="zlab",
+                     help="zlab: a DFlash drafter (default); eagle3: an MTP drafter trained with layout=eagle3")
+    exp.add_argument("--target", default=None,
+                     help="eagle3: the target whose LM head the export carries (default: the embedded SmolLM2)")
     exp.add_argument("--out", required=True, help="output folder")
     exp.set_defaults(func=cmd_export)
     reg = sub.add_parser("regenerate", help="the target's own responses to TRAIN prompts (resumable jsonl)")
@@ -219,6 +276,10 @@ def main(argv=None) -> int:
     srv.add_argument("--max-concurrent-requests", type=int, default=128, help="beyond this: 429 overloaded")
     srv.add_argument("--max-input-tokens", type=int, default=1024)
     srv.add_argument("--max-total-tokens", type=int, default=2048, help="input + new tokens per request")
+    srv.add_argument("--max-stop-sequences", type=int, default=4)
+    srv.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
+    srv.add_argument("--payload-limit", type=int, default=2_000_000, help="request body bytes (TGI's flag)")
+    srv.add_argument("--max-client-batch-size", type=int, default=4, help="prompts per /v1/completions request")
     srv.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     srv.set_defaults(func=cmd_serve)
     demo = sub.add_parser("demo", help="the Gradio Space, locally: plain vs speculative generation, live")

@@ -1,42 +1,150 @@
-"""The drafters shipped with the project for the embedded SmolLM2-135M-Instruct target (`drafters/`, Hub layout:
-fp16 safetensors, config, modeling code, model card), and `python -m angelspec_hf.ship RUN DEST`, which writes a
-training run's final weights into that layout."""
+"""The drafters shipped with the project for the embedded SmolLM2-135M-Instruct target, found the way users get
+drafters: by Hub id (`SHIPPED_ORG/smollm2-135m-instruct-{mtp,dflash,dfly}`) from the local Hugging Face cache, never
+from the network. `angelspec install-drafters` puts them there from their Hub-layout folders (`drafters/` of a
+checkout: fp16 safetensors, config, modeling code, model card). A checkout also works without the cache: its
+`drafters/` folder is used when the cache lacks a drafter or holds other files than the checkout's, and the caller is
+told which was used. `python -m angelspec_hf.ship RUN DEST` writes a training run's final weights into that layout."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafters"
+from angelspec_hf.hub_cache import content_revision, folder_entries, hub_cache_dir, install_folder
+
+SHIPPED_ORG = "angelspec-hf"  # the Hub organisation the shipped drafters are published under
 SHIPPED_PREFIX = "smollm2-135m-instruct-"
+SHIPPED_FAMILIES = ("mtp", "dflash", "dfly")
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafters"  # a checkout's; a wheel does not carry it
 
 
-def shipped_drafter_path(family: str) -> Path | None:
-    """Folder of the shipped drafter of `family` ("mtp", "dflash", "dfly"), or None when it is not there."""
+def shipped_repo_id(family: str) -> str:
+    """The Hub id of the shipped drafter of `family`, e.g. `angelspec-hf/smollm2-135m-instruct-dfly`."""
+    if family not in SHIPPED_FAMILIES:
+        raise ValueError(f"no drafter of family {family!r} ships; choose one of {SHIPPED_FAMILIES}")
+    return f"{SHIPPED_ORG}/{SHIPPED_PREFIX}{family}"
+
+
+@dataclass(frozen=True)
+class ShippedDrafter:
+    """Where the shipped drafter of `family` was found: `source` is "hf-cache" (`folder` is the snapshot) or
+    "checkout" (`folder` is `drafters/<name>`); `note` says which, and why the checkout when not the cache."""
+
+    family: str
+    repo_id: str
+    source: str
+    folder: Path
+    note: str
+    cache_dir: Path | None = None
+
+    def load(self, **kwargs):
+        """The drafter: by Hub id, offline, from the cache; or from the checkout's folder."""
+        import angelspec_hf
+
+        if self.source == "hf-cache":
+            return angelspec_hf.load_drafter(self.repo_id, cache_dir=str(self.cache_dir), local_files_only=True,
+                                             **kwargs)
+        return angelspec_hf.load_drafter(str(self.folder), **kwargs)
+
+
+def _cached_snapshot(repo_id: str, cache: Path) -> tuple[Path | None, str]:
+    """`(snapshot folder, "")` when huggingface_hub resolves `repo_id` offline from `cache`, else `(None, why)`."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True)), ""
+    except IncompleteSnapshotError as error:
+        return None, f"{repo_id} is incomplete in the HF cache {cache} ({error})"
+    except LocalEntryNotFoundError:
+        return None, f"{repo_id} is not in the HF cache {cache}"
+
+
+def find_shipped(family: str, cache_dir=None, why: list | None = None) -> ShippedDrafter | None:
+    """The shipped drafter of `family`: by Hub id from the HF cache (`cache_dir`, default huggingface_hub's), else
+    from a checkout's `drafters/`. In a checkout whose folder holds other files than the cache's snapshot (a retrained
+    or re-exported drafter not yet installed), the checkout's is used. None when neither has it; the reason is then
+    appended to `why`, with the command that fixes it."""
+    repo_id, cache = shipped_repo_id(family), hub_cache_dir(cache_dir)
+    snapshot, cache_reason = _cached_snapshot(repo_id, cache)
+    if snapshot is not None and not (snapshot / "config.json").is_file():
+        snapshot, cache_reason = None, f"the HF cache's snapshot of {repo_id} has no config.json ({snapshot})"
+    local = checkout_drafter_path(family)
+    if snapshot is not None:
+        revision = snapshot.name
+        if local is None or content_revision(folder_entries(local)) == revision:
+            return ShippedDrafter(family, repo_id, "hf-cache", snapshot,
+                                  f"{repo_id} from the HF cache (revision {revision[:12]}, {snapshot})", cache)
+        cache_reason = f"the HF cache's {repo_id} (revision {revision[:12]}) holds other files than this folder"
+    if local is not None:
+        return ShippedDrafter(family, repo_id, "checkout", local,
+                              f"{local} in this checkout ({cache_reason}; `angelspec install-drafters` installs it)")
+    if why is not None:
+        why.append(f"no shipped {family} drafter: {cache_reason}, and there is no checkout folder "
+                   f"{SHIPPED_DIR / (SHIPPED_PREFIX + family)}; run `angelspec install-drafters --from <a checkout's "
+                   f"drafters/ folder>`")
+    return None
+
+
+def checkout_drafter_path(family: str) -> Path | None:
+    """The checkout's `drafters/` folder of `family`, or None (an installed package). Edit the shipped drafters here:
+    the files of a cache snapshot are symlinks into blobs named by their content."""
     path = SHIPPED_DIR / f"{SHIPPED_PREFIX}{family}"
     return path if (path / "config.json").is_file() else None
 
 
-def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None):
+def shipped_drafter_path(family: str, cache_dir=None) -> Path | None:
+    """Folder of the shipped drafter of `family` to read (the cache's snapshot or the checkout's folder, see
+    `find_shipped`), or None when there is none. To edit the shipped files, use `checkout_drafter_path`."""
+    found = find_shipped(family, cache_dir)
+    return found.folder if found else None
+
+
+def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None):
     """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype, or a fresh untrained one when
-    none ships or the shipped one was not made for `target` (they are the embedded SmolLM2-135M-Instruct's). The
-    reason for an untrained one is appended to `why` when given."""
-    import angelspec_hf
+    none is found or the shipped one was not made for `target` (they are the embedded SmolLM2-135M-Instruct's).
+    One line is appended to `why` when given: where the shipped drafter came from, or the reason for an untrained
+    one."""
     from angelspec_hf.modeling import DRAFTERS
 
-    path = shipped_drafter_path(family)
-    if path is None:
-        reason = f"no {family} drafter is shipped at {SHIPPED_DIR / (SHIPPED_PREFIX + family)}"
-    else:
-        drafter = angelspec_hf.load_drafter(str(path)).to(dtype or target.dtype).eval()
+    reasons = []
+    found = find_shipped(family, cache_dir, why=reasons)
+    if found is not None:
+        drafter = found.load().to(dtype or target.dtype).eval()
         depth = target.config.get_text_config().num_hidden_layers
         try:
             drafter.check_target(target)
             if drafter.config.num_target_layers in (None, depth):
+                if why is not None:
+                    why.append(f"the shipped {family} drafter {found.note}")
                 return drafter, True
-            reason = (f"the shipped {family} drafter was made for a {drafter.config.num_target_layers}-layer target, "
-                      f"this one has {depth} layers")
+            reasons.append(f"the shipped {family} drafter ({found.note}) was made for a "
+                           f"{drafter.config.num_target_layers}-layer target, this one has {depth} layers")
         except ValueError as exc:
-            reason = f"the shipped {family} drafter does not fit this target: {exc}"
+            reasons.append(f"the shipped {family} drafter ({found.note}) does not fit this target: {exc}")
     if why is not None:
-        why.append(reason)
+        why.extend(reasons)
     return DRAFTERS[family][1].from_target(target).eval(), False
+
+
+def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> list[tuple[str, Path, str, bool]]:
+    """Put the shipped drafters from `source` (a folder holding `smollm2-135m-instruct-<family>/`; default: this
+    checkout's `drafters/`) into the HF cache under their Hub ids. Returns `(repo id, snapshot, revision, changed)`
+    per family, each checked with huggingface_hub's own offline resolution."""
+    source = Path(source) if source is not None else SHIPPED_DIR
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} does not exist (an installed package carries no drafters/): pass --from "
+                                "<a checkout's drafters/ folder>")
+    missing = [f for f in families if not (source / f"{SHIPPED_PREFIX}{f}" / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"{source} has no shipped drafter folder for {missing} "
+                                f"(expected {SHIPPED_PREFIX}<family>/config.json)")
+    installed = []
+    for family in families:
+        repo_id = shipped_repo_id(family)
+        snapshot, revision, changed = install_folder(source / f"{SHIPPED_PREFIX}{family}", repo_id, cache_dir)
+        resolved, why = _cached_snapshot(repo_id, hub_cache_dir(cache_dir))
+        if resolved != snapshot:
+            raise RuntimeError(f"huggingface_hub does not resolve {repo_id} to what was written ({snapshot}): {why}")
+        installed.append((repo_id, snapshot, revision, changed))
+    return installed

@@ -3,7 +3,7 @@ target conditioning + an autoregressive head)."""
 
 from .candidate_generator import AngelSpecCandidateGenerator, SpeculationStats
 from .configuration_drafter import DrafterConfig
-from .converters import export_zlab_dflash, load_foreign_checkpoint
+from .converters import export_eagle, export_zlab_dflash, load_foreign_checkpoint
 from .dflash.configuration_dflash import DFlashConfig
 from .dflash.modeling_dflash import DFlashDrafter
 from .dfly.configuration_dfly import DFlyConfig
@@ -17,5 +17,5 @@ DRAFTERS = {"mtp": (MTPConfig, MTPDrafter), "dflash": (DFlashConfig, DFlashDraft
 __all__ = [
     "AngelSpecCandidateGenerator", "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DRAFTERS",
     "DrafterConfig", "DrafterOutput", "DrafterPreTrainedModel", "MTPConfig", "MTPDrafter", "SpeculationStats",
-    "export_zlab_dflash", "load_foreign_checkpoint",
+    "export_eagle", "export_zlab_dflash", "load_foreign_checkpoint",
 ]

@@ -17,7 +17,7 @@ import torch
 
 import angelspec_hf
 from angelspec_hf.prompts import chat_input_ids
-from angelspec_hf.shipped import shipped_drafter_path
+from angelspec_hf.shipped import checkout_drafter_path
 from angelspec_hf.trainer.data import load_train_prompts
 
 DOMAIN_SETS = {"dfly": ["gsm8k", "code_alpaca"], "dflash": ["gsm8k", "code_alpaca"], "mtp": ["sharegpt", "alpaca"]}
@@ -52,9 +52,9 @@ def main() -> None:
     target, tokenizer = angelspec_hf.load_default_target()
     for family in args.families.split(","):
         sets = DOMAIN_SETS[family]
-        path = shipped_drafter_path(family)
+        path = checkout_drafter_path(family)  # it rewrites the config: the checkout's, never the HF cache's
         if path is None:
-            print(f"{family}: no shipped drafter")
+            print(f"{family}: no shipped drafter in this checkout's drafters/")
             continue
         drafter = angelspec_hf.load_drafter(str(path)).to(target.dtype).eval()
         inputs = [chat_input_ids(tokenizer, p) for p in held_out_prompts(sets, args.prompts)]

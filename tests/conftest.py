@@ -17,6 +17,7 @@ from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
 
 FAMILIES = {
     "mtp": (MTPDrafter, {"num_draft_tokens": 3}),
+    "mtp_eagle3": (MTPDrafter, {"num_draft_tokens": 3, "layout": "eagle3"}),  # EAGLE-3's architecture (vLLM, SGLang)
     "dflash": (DFlashDrafter, {"block_size": 4}),
     "dfly": (DFlyDrafter, {"block_size": 5}),
 }

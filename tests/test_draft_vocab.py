@@ -18,7 +18,7 @@ def plain(twin, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+@pytest.mark.parametrize("family", ["mtp", "mtp_eagle3", "dflash", "dfly"])
 def test_pruned_drafter_is_lossless_drafts_inside_and_round_trips(family, tmp_path):
     target, twin = tiny_target(), tiny_target()
     drafter = tiny_drafter(family, target)

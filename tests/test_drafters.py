@@ -45,6 +45,12 @@ def features_for(drafter, length, seed=0):
         (DFlashConfig, {"target_layer_ids": [0, 9], "num_target_layers": 4}, "reach layer 9 but the target has 4"),
         (MTPConfig, {"num_draft_tokens": 0}, "num_draft_tokens must be >= 1"),
         (MTPConfig, {"target_layer_ids": [1, 2]}, "exactly one target layer"),
+        (MTPConfig, {"layout": "eagle"}, "layout must be one of"),
+        (MTPConfig, {"layout": "eagle3"}, "needs target_layer_ids"),
+        (MTPConfig, {"layout": "eagle3", "target_layer_ids": [3, 1, 2], "num_hidden_layers": 1}, "increasing order"),
+        (MTPConfig, {"layout": "eagle3", "target_layer_ids": [0, 1, 3], "num_target_layers": 4, "num_hidden_layers": 1},
+         "last layer"),
+        (MTPConfig, {"layout": "eagle3", "target_layer_ids": [0, 1, 2], "num_hidden_layers": 2}, "one decoder layer"),
         (DFlyConfig, {"ar_head_intermediate_size": 0}, "must be positive"),
         (DFlashConfig, {"num_attention_heads": 4, "num_key_value_heads": 3}, "multiple of"),
     ],
@@ -62,10 +68,13 @@ def test_from_target_fits_the_target(target):
         assert max(config.target_layer_ids) < 4
         assert config.num_attention_heads == 4 and config.num_key_value_heads == 2 and config.head_dim == 8
     assert MTPConfig.from_target(target.config).target_layer_ids == [3]
+    assert MTPConfig.from_target(target.config, layout="eagle3").target_layer_ids == [0, 1, 2]
     assert evenly_spaced_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab's choice for Qwen3-8B
     deep = LlamaConfig(num_hidden_layers=30, hidden_size=64, num_attention_heads=4, vocab_size=99)
     assert DFlashConfig.from_target(deep).target_layer_ids == [1, 10, 18, 27]
     assert DFlashConfig.from_target(deep, num_hidden_layers=5).target_layer_ids == [1, 8, 14, 20, 27]
+    # vLLM's and SGLang's default EAGLE-3 capture: the inputs of layers 2, 15, 27 = the outputs of 1, 14, 26
+    assert MTPConfig.from_target(deep, layout="eagle3").target_layer_ids == [1, 14, 26]
 
 
 def test_drafters_do_not_store_the_target_embedding_or_head(target, family):
@@ -129,6 +138,12 @@ def test_dfly_layer_fusion_gives_each_layer_its_own_context(target):
     features, _ = features_for(drafter, 4)
     contexts = drafter.layer_contexts(features)
     assert len(contexts) == 2 and not torch.allclose(contexts[0], contexts[1])
+    # the ablation without fusion: DFlash's one shared context, and no fusion weights to train or store
+    plain = DFlyDrafter(DFlyConfig(**(drafter.config.to_dict() | {"use_layer_fusion": False})))
+    plain.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "layer_fusion_weights"})
+    shared = plain.layer_contexts(features)
+    assert "layer_fusion_weights" not in dict(plain.named_parameters()) and torch.equal(shared[0], shared[1])
+    torch.testing.assert_close(shared[0], plain.hidden_norm(plain.fc(features)))
 
 
 # ---- saving and loading --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 from angelspec_hf.tgi_patch.paged import PagedKVPool
 from conftest import tiny_drafter, tiny_target
 
-FAMILIES = ["mtp", "dflash", "dfly"]
+FAMILIES = ["mtp", "mtp_eagle3", "dflash", "dfly"]
 # prompts on which the tiny random drafters of every family get drafts accepted, several tokens at a time (one longer
 # than a KV page); lengths chosen so that the last rounds have less room than a block
 PROMPTS = [[27], [67], [40, 93, 18, 73, 45, 72, 29, 80], [8, 79, 15, 92, 53],

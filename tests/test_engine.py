@@ -58,6 +58,28 @@ def test_greedy_equals_plain_decoding_for_any_mix(targets, family):
     assert accepted > 0  # drafts were really accepted along the way
 
 
+@pytest.mark.parametrize("family", ["mtp", "dfly"])
+def test_auto_mode_stops_drafting_where_no_position_could_be_verified(targets, family):
+    """An extra verified token costing 45% of a step: with acceptance 0.5 per position, positions past the second
+    cannot pay (survival 0.25 < 0.45 / 1.5), so they are not drafted (DFly's AR head / MTP's chain stop there), and
+    the output stays plain greedy."""
+    target, twin = targets
+    drafter = tiny_drafter(family, target)
+    costly = CostModel((1.0, 0.05, 0.45), (0.01, 0.0))
+    engine = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=2, cost_model=costly,
+                               calibrator=AcceptanceCalibrator(prior=0.5, prior_weight=1e6))
+    prompt = [5, 7, 9, 11]
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=30))
+    tokens, drafted = [], []
+    while engine.has_work():
+        for event in engine.step():
+            tokens += event.token_ids
+        if engine.last_step is not None and engine.last_step.choice == "speculative":
+            drafted.append(len(engine.last_step.draft_tokens[0]))
+    assert tokens == plain_greedy(twin, prompt, 30)
+    assert rid == 0 and drafted and max(drafted) == 2 < drafter.num_draft_tokens
+
+
 def test_budget_zero_is_plain_decoding_and_budgets_are_respected(targets):
     target, _ = targets
     drafter = tiny_drafter("dfly", target)
@@ -100,6 +122,18 @@ def test_calibrator_learns_acceptance_and_reports_reliability():
     assert len(curve) == 1 and curve[0]["count"] == 200 and abs(curve[0]["acceptance"] - 0.3) < 1e-9
     error = cal.calibration_error()
     assert abs(error["raw"] - 0.6) < 1e-6 and error["calibrated"] < 0.02
+
+
+def test_calibrator_learns_each_draft_position_separately():
+    cal = AcceptanceCalibrator(num_bins=4, prior_weight=1.0, num_positions=2)
+    conf = torch.full((400, 3), 0.9)
+    accepted = torch.where(torch.arange(400) % 2 == 0, 3, 1)  # position 0 always accepted, later ones half the time
+    cal.update(conf, torch.full((400,), 3), accepted)
+    rates = cal(torch.full((1, 3), 0.9))[0].tolist()
+    # position 0: 400 of 400 accepted; positions 1 and 2 share the last curve: 200 of 400 and 200 of 200 (position 2
+    # is observed only after an accepted position 1)
+    assert abs(rates[0] - 1.0) < 0.01 and abs(rates[1] - 400 / 600) < 0.01 and rates[2] == rates[1]
+    assert sum(row["count"] for row in cal.reliability()) == 400 + 400 + 200
 
 
 def test_cost_model_is_profiled_once_and_cached(targets, tmp_path):
@@ -241,7 +275,7 @@ SAMPLING_CASES = {
                        ["old D-Cut confidence q(drafted)", "temperature ignored"]),
     "budget16-T0.7": ("mtp", 16, {}, dict(temperature=0.7), 3, 5000,
                       ["old D-Cut confidence q(drafted)", "temperature ignored"]),
-    "budget24-T1-topp": ("mtp", 24, {}, dict(temperature=1.0, top_p=0.9), 4, 4000,
+    "budget24-T1-topp": ("mtp", 24, {}, dict(temperature=1.0, top_p=0.9), 4, 6000,
                          ["old D-Cut confidence q(drafted)", "correction from p"]),
     "depth:1-T0.7-topp": ("mtp", "depth:1", {}, dict(temperature=0.7, top_p=0.9), 3, 4000,
                           ["correction from p", "temperature ignored"]),
@@ -373,13 +407,13 @@ def _selection_looks_ahead(target, engine_cls, cost, verify="auto", trials=300):
         conf = torch.rand(rows, k, generator=g)
         drafted = torch.randint(1, k + 1, (rows,), generator=g)
         sampled = torch.rand(rows, generator=g) < 0.7
-        before = engine._select(conf, drafted, rows, rows, rows, StepTrace(), sampled)
+        before = engine._select(engine._acceptance(conf, None), drafted, rows, rows, rows, StepTrace(), sampled)
         i, j = int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, k - 1, (1,), generator=g))
         if not bool(sampled[i]):
             continue
         other = conf.clone()
         other[i, j + 1 :] = torch.rand(k - j - 1, generator=g)
-        after = engine._select(other, drafted, rows, rows, rows, StepTrace(), sampled)
+        after = engine._select(engine._acceptance(other, None), drafted, rows, rows, rows, StepTrace(), sampled)
         changed += int((before[i] > j) != (after[i] > j))  # position j verified or not
     return changed
 
@@ -404,3 +438,59 @@ def test_seeded_sampling_does_not_depend_on_the_batch(targets):
     alone = generate_batch(target, drafter, [[5, 6, 7]], seed=7, verify="full", **params)[0]
     crowd = generate_batch(target, drafter, [[5, 6, 7], [8, 9], [10] * 9], seed=7, verify=2, **params)[0]
     assert alone == crowd
+
+
+# ---- n-gram lookup proposals in the engine -------------------------------------------------------------------------
+REPEATING = [[5, 7, 9, 11, 5, 7, 9, 11, 5, 7], [20, 21, 22, 20, 21], [30, 31, 30, 31, 30, 31, 30], [40, 41, 42]]
+
+
+@pytest.mark.parametrize("family,verify", [("mtp", "full"), ("dflash", 6), ("dfly", "auto")])
+def test_lookup_proposals_keep_greedy_output(targets, family, verify):
+    target, twin = targets
+    drafter = tiny_drafter(family, target)
+    engine = SpeculativeEngine(target, drafter, verify=verify, max_batch_size=4, cost_model=MARGINAL_COST,
+                               lookup_tokens=4)
+    outputs, ids = {}, [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in REPEATING]
+    while engine.has_work():
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).extend(event.token_ids)
+    for rid, prompt in zip(ids, REPEATING):
+        assert outputs[rid] == plain_greedy(twin, prompt, 20)
+    assert engine.stats["lookup_rows"] > 0 and engine.stats["accepted"] > 0
+
+
+class LookupWithDrafterQEngine(SpeculativeEngine):
+    """Verifies a lookup row against the drafter's distribution instead of the lookup's one-hot q."""
+
+    def _lookup(self, requests, remaining, sampled, tokens, probs, conf):
+        new_tokens, new_probs, new_conf, use, limit = super()._lookup(requests, remaining, sampled, tokens, probs,
+                                                                      conf)
+        if probs is not None and new_probs is not None:
+            new_probs[:, : probs.shape[1]] = torch.where(use[:, None, None], probs, new_probs[:, : probs.shape[1]])
+        return new_tokens, new_probs, new_conf, use, limit
+
+
+def test_lookup_proposals_keep_sampling_exact_with_power(spread):
+    prompt, steps, draws = [3, 5, 4, 3, 5], 3, 4000
+    target = spread
+    drafter = peaked_drafter("dfly", target)
+    exact = exact_distribution(target, steps, prompt=torch.tensor([prompt]), temperature=0.8)
+
+    def sample(engine_cls):
+        engine = engine_cls(target, drafter, verify="full", max_batch_size=64, cost_model=FIXED_COST, lookup_tokens=3)
+        ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=steps, do_sample=True, seed=i, temperature=0.8,
+                                                         stop_token_ids=())) for i in range(draws)]
+        outputs = {i: [] for i in ids}
+        while engine.has_work():
+            for event in engine.step():
+                outputs[event.request_id] += event.token_ids
+        return [tuple(outputs[i]) for i in ids], engine.stats
+
+    with single_thread():
+        samples, stats = sample(SpeculativeEngine)
+        assert stats["lookup_rows"] > 0.2 * draws and stats["accepted"] > 0
+        right = _fit(samples, exact)
+        wrong = {"lookup verified with the drafter's q": _fit(sample(LookupWithDrafterQEngine)[0], exact)}
+    report(f"engine lookup: {draws} draws, {stats['lookup_rows']} lookup rows, accepted {stats['accepted']}/"
+           f"{stats['verified']}", right, **wrong)
+    assert_power(right, wrong)

@@ -134,7 +134,7 @@ def test_hooked_transformers_signatures(target):
     assert {"generation_config", "generation_mode_kwargs"} <= set(validate)
 
 
-@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+@pytest.mark.parametrize("family", ["mtp", "mtp_eagle3", "dflash", "dfly"])
 def test_confidence_cut_drafts_fewer_tokens_and_stays_lossless(target, family):
     """`draft_stop_threshold` ends a round's draft once the drafter's own probability of it is low: rounds get shorter
     (a near-1 threshold drafts exactly one token per round), and the output is still the target's."""

@@ -194,7 +194,10 @@ def test_stop_sequence_cuts_the_text_and_frees_the_slot(live):
     ({"inputs": "Hi", "parameters": {"max_new_tokens": 10**9}}, "must be <= 384"),
     ({"inputs": "Hi", "parameters": {"max_new_tokens": 0}}, "strictly positive"),
     ({"inputs": "Hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, "up to 4 stop sequences"),
-    ({"inputs": "Hi", "parameters": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"inputs": "Hi", "parameters": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"inputs": "Hi", "parameters": {"frequency_penalty": 2.5}}, "frequency_penalty"),
+    ({"inputs": "Hi", "parameters": {"top_n_tokens": 6}}, "top_n_tokens"),
+    ({"inputs": "Hi", "parameters": {"typical_p": 0.5}}, "typical_p"),
     ({"inputs": "Hi", "parameters": {"temperature": 0}}, "temperature"),
     ({"inputs": "Hi", "parameters": {"top_k": 0}}, "top_k"),
     ({"inputs": "Hi", "parameters": {"temperature": float("inf")}}, "finite"),  # json.dumps writes Infinity
@@ -280,6 +283,31 @@ def test_client_that_closes_a_stream_cancels_its_request(live):
     r.close()
     assert wait_until_idle(server, engine)
     assert_serves(url)
+
+
+def test_clients_that_leave_non_streaming_requests_cancel_them(live):
+    """Six non-streaming requests (`/generate`, `/` and chat) fill every slot, then their clients give up (a 1.5 s
+    read timeout closes the socket): each request is cancelled in the engine and its slot freed within seconds, long
+    before its 300 tokens, and the metrics count them as 499 (client closed request)."""
+    url, server, engine, _ = live
+    tokens_before = engine.totals["tokens"]
+    bodies = [("/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 300}}),
+              ("/", {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 300}}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to 500."}], "max_tokens": 300,
+                                        "temperature": 0})] * 2
+
+    def leave(route_body):
+        with pytest.raises(requests.ReadTimeout):
+            requests.post(url + route_body[0], json=route_body[1], timeout=(5, 1.5))
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        list(pool.map(leave, bodies))
+    assert wait_until_idle(server, engine, timeout=5), (server.worker.in_flight, engine.num_running)
+    assert engine.totals["tokens"] - tokens_before < 6 * 300
+    assert_serves(url)
+    text = requests.get(url + "/metrics").text
+    for route in ("/generate", "/", "/v1/chat/completions"):
+        assert f'angelspec_requests_total{{route="{route}",status="499"}} 2.0' in text
 
 
 def test_engine_failure_is_424_and_the_next_request_succeeds(live, monkeypatch):

@@ -15,6 +15,7 @@ import angelspec_hf
 from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.run import main as train_main
+from angelspec_hf.trainer.run import parse_config_overrides
 from conftest import tiny_chat_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +122,24 @@ save_strategy: "no"
     train_main([str(tmp_path / "recipe.yaml")])
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 1
     assert json.loads((tmp_path / "run" / "config.json").read_text())["num_draft_tokens"] == 2
+
+
+def test_config_overrides_shape_a_fresh_drafter(tiny, tmp_path):
+    from angelspec_hf.modeling import DFlyConfig
+
+    assert parse_config_overrides("use_ar_head=false, num_hidden_layers=2,hidden_act=silu", DFlyConfig) == {
+        "use_ar_head": False, "num_hidden_layers": 2, "hidden_act": "silu"}
+    with pytest.raises(ValueError, match="no field 'use_ar_heads'"):
+        parse_config_overrides("use_ar_heads=false", DFlyConfig)
+    with pytest.raises(ValueError, match="key=value"):
+        parse_config_overrides("use_ar_head", DFlyConfig)
+    train_main(cli_args(tiny, tmp_path / "run", "--max_steps", "1", "--save_strategy", "no",
+                        "--config_overrides", "use_ar_head=false,use_layer_fusion=false"))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["use_ar_head"] is False and config["use_layer_fusion"] is False
+    with pytest.raises(ValueError, match="init_drafter"):
+        train_main(cli_args(tiny, tmp_path / "again", "--max_steps", "1", "--init_drafter", str(tmp_path / "run"),
+                            "--config_overrides", "use_ar_head=false"))
 
 
 ACCELERATE_CPU_CONFIG = """compute_environment: LOCAL_MACHINE

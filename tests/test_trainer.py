@@ -15,7 +15,8 @@ from angelspec_hf.trainer.trainer import DrafterTrainer, pack_blocks
 from conftest import tiny_chat_target
 
 CLASSES = {"mtp": (MTPDrafter, {"num_draft_tokens": 3}), "dflash": (DFlashDrafter, {"block_size": 4}),
-           "dfly": (DFlyDrafter, {"block_size": 4})}
+           "dfly": (DFlyDrafter, {"block_size": 4}),
+           "mtp_eagle3": (MTPDrafter, {"num_draft_tokens": 3, "layout": "eagle3"})}  # `--config_overrides layout=eagle3`
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def teacher(tokens):
     return select
 
 
-@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+@pytest.mark.parametrize("family", ["mtp", "mtp_eagle3", "dflash", "dfly"])
 def test_training_forward_equals_drafting(setup, family):
     target, tokenizer, folder = setup
     drafter = make_drafter(family, target).eval()
@@ -92,7 +93,7 @@ def test_training_forward_equals_drafting(setup, family):
     features = target_features(target, ids, torch.ones_like(ids), layer_ids)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        if family == "mtp":
+        if family.startswith("mtp"):
             steps, length = 3, ids.shape[1] - 1
             step_tokens = torch.stack([torch.cat([ids[0, 1 + j:], ids.new_zeros(j)])[:length] for j in range(steps)])
             hidden = drafter(features[:, :length], embed(step_tokens[None])).last_hidden_state[0]  # [S, L, H]
@@ -120,7 +121,8 @@ def test_training_forward_equals_drafting(setup, family):
 
 
 @pytest.mark.parametrize("family,loss_kind,pruned", [("mtp", "ce", False), ("dflash", "ce", False), ("dfly", "ce", False),
-                                                     ("mtp", "kl", True), ("dfly", "ce+kl", True)])
+                                                     ("mtp", "kl", True), ("dfly", "ce+kl", True),
+                                                     ("mtp_eagle3", "ce", True)])
 def test_loss_goes_down(setup, tmp_path, family, loss_kind, pruned):
     """Every family learns, with hard labels and with distillation from the target's logits, over the whole
     vocabulary and over a pruned draft vocabulary (the target's reply tokens and some others)."""
@@ -131,8 +133,9 @@ def test_loss_goes_down(setup, tmp_path, family, loss_kind, pruned):
         replies = {t for ex in load_regenerated(tokenizer, folder, ["gsm8k"]) for t, s in
                    zip(ex["input_ids"], ex["supervised"]) if s}
         drafter.set_draft_vocab(sorted(replies | set(range(500))))
-    train(setup, make_args(tmp_path, family, setup[2], max_steps=30, learning_rate=1e-2, loss_kind=loss_kind),
-          drafter, [log])
+    args = make_args(tmp_path, family.removesuffix("_eagle3"), setup[2], max_steps=30, learning_rate=1e-2,
+                     loss_kind=loss_kind)
+    train(setup, args, drafter, [log])
     losses = [log.losses[s] for s in sorted(log.losses)]
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, " ".join(f"{x:.2f}" for x in losses)
 

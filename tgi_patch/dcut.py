@@ -15,31 +15,44 @@ from angelspec_hf.modeling.draft_policy import default_cache_dir, hardware_key  
 
 
 class AcceptanceCalibrator:
-    """Maps the drafter's confidence in a draft token (its probability under the drafter) to the probability that
-    the target accepts it given that the tokens before it were accepted, from the verification outcomes seen so far.
+    """Maps the drafter's confidence in a draft token (the peak of its distribution there) to the probability that the
+    target accepts it given that the tokens before it were accepted, from the verification outcomes seen so far,
+    separately for each draft position (the same confidence means less deeper in a block, where the drafter reads its
+    own guesses; positions past `num_positions - 1` share the last curve).
 
-    Confidence is binned; each bin's estimate starts at `prior` (weight `prior_weight` observations, so the first
+    Confidence is binned; each cell's estimate starts at `prior` (weight `prior_weight` observations, so the first
     steps are not extreme) and moves to the empirical rate. Only tokens whose predecessors were all accepted are
     observations: after a rejection nothing is learned about the rest of the block.
     """
 
-    def __init__(self, num_bins: int = 10, prior: float | None = None, prior_weight: float = 4.0):
-        self.num_bins = num_bins
+    def __init__(self, num_bins: int = 10, prior: float | None = None, prior_weight: float = 4.0,
+                 num_positions: int = 8):
+        self.num_bins, self.num_positions = num_bins, num_positions
         centers = (torch.arange(num_bins, dtype=torch.float64) + 0.5) / num_bins
         start = centers if prior is None else torch.full((num_bins,), float(prior), dtype=torch.float64)
-        self.accepted = start * prior_weight
-        self.trials = torch.full((num_bins,), prior_weight, dtype=torch.float64)
-        self.observed = torch.zeros(num_bins, dtype=torch.float64)  # real observations (no prior)
-        self.observed_accepted = torch.zeros(num_bins, dtype=torch.float64)
-        self.confidence_sum = torch.zeros(num_bins, dtype=torch.float64)
+        cells = num_positions * num_bins  # flat: position * num_bins + bin
+        self.accepted = (start * prior_weight).repeat(num_positions)
+        self.trials = torch.full((cells,), prior_weight, dtype=torch.float64)
+        self.observed = torch.zeros(cells, dtype=torch.float64)  # real observations (no prior)
+        self.observed_accepted = torch.zeros(cells, dtype=torch.float64)
+        self.confidence_sum = torch.zeros(cells, dtype=torch.float64)
 
-    def _bins(self, confidence: torch.Tensor) -> torch.Tensor:
-        return (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+    def _cells(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Flat cell of every entry of `confidence [..., K]`: its bin at its draft position (the last dimension)."""
+        bins = (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+        position = torch.arange(confidence.shape[-1], device=confidence.device).clamp(max=self.num_positions - 1)
+        return position * self.num_bins + bins
 
     def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Calibrated acceptance probabilities, same shape as `confidence`."""
+        """Calibrated acceptance probabilities, same shape as `confidence [..., K]` (K: draft positions)."""
         rate = (self.accepted / self.trials).to(confidence.device, torch.float32)
-        return rate[self._bins(confidence)]
+        return rate[self._cells(confidence)]
+
+    def at(self, confidence: torch.Tensor, position: int) -> torch.Tensor:
+        """Calibrated acceptance of confidences `[B]` all at draft position `position`."""
+        cell = min(position, self.num_positions - 1) * self.num_bins
+        bins = (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+        return (self.accepted / self.trials).to(confidence.device, torch.float32)[cell + bins]
 
     def update(self, confidence: torch.Tensor, verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """confidence `[B, K]`; verified `[B]` draft tokens verified per request; num_accepted `[B]` accepted."""
@@ -47,22 +60,27 @@ class AcceptanceCalibrator:
         j = torch.arange(k, device=confidence.device)[None, :]
         observed = (j < verified[:, None]) & (j <= num_accepted[:, None])  # tested, predecessors all accepted
         accepted = j < num_accepted[:, None]
-        bins = self._bins(confidence)[observed].cpu()
+        cells = self._cells(confidence)[observed].cpu()
         outcome = accepted[observed].double().cpu()
         conf = confidence[observed].double().cpu()
         for target, values in ((self.trials, torch.ones_like(outcome)), (self.accepted, outcome),
                                (self.observed, torch.ones_like(outcome)), (self.observed_accepted, outcome),
                                (self.confidence_sum, conf)):
-            target.index_add_(0, bins, values)
+            target.index_add_(0, cells, values)
+
+    def _per_bin(self, cells: torch.Tensor) -> torch.Tensor:
+        return cells.reshape(self.num_positions, self.num_bins).sum(0)
 
     def reliability(self) -> list[dict]:
         """Per bin with observations: mean confidence, observed acceptance rate and count (a reliability curve)."""
+        observed, accepted, confidence = map(self._per_bin, (self.observed, self.observed_accepted,
+                                                            self.confidence_sum))
         rows = []
         for b in range(self.num_bins):
-            n = float(self.observed[b])
+            n = float(observed[b])
             if n:
-                rows.append({"confidence": float(self.confidence_sum[b]) / n,
-                             "acceptance": float(self.observed_accepted[b]) / n, "count": int(n)})
+                rows.append({"confidence": float(confidence[b]) / n, "acceptance": float(accepted[b]) / n,
+                             "count": int(n)})
         return rows
 
     def calibration_error(self) -> dict:

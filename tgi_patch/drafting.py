@@ -3,7 +3,9 @@ features into the drafter's paged KV pool, then drafts a block after its own anc
 
 `select(logits [B, V], j)` picks draft token j for every sequence and returns `(tokens [B], probs [B, V] | None,
 confidence [B])`: the engine's per-request greedy/sampling choice, the drafter's processed distribution (needed for
-exact rejection sampling) and the drafter's probability of the chosen token (D-Cut's confidence signal).
+exact rejection sampling) and the drafter's confidence there (D-Cut's signal). `keep_going(confidence [B], j)`, if
+given, is asked after each position whether any sequence could still have position j + 1 verified; drafting stops
+when none could (DFly's AR head and MTP's chained steps are sequential: a position nobody verifies is not computed).
 """
 
 from __future__ import annotations
@@ -34,15 +36,15 @@ class BatchDrafter:
         self.pool.release(slot)
 
     @torch.no_grad()
-    def draft(self, slots, features, next_ids, new, anchors, num_tokens, select):
+    def draft(self, slots, features, next_ids, new, anchors, num_tokens, select, keep_going=None):
         """slots `[B]`; features `[B, n_max, F]` (padded; `new [B]` valid per row) of the tokens accepted since the
         last call; next_ids `[B, n_max]` the token after each of them (MTP's input); anchors `[B]` the last accepted
         token (not yet seen by the target). Returns tokens `[B, K]`, probs `[B, K, V]` or None, confidence `[B, K]`."""
         features = features.to(self.drafter.dtype)
         if isinstance(self.drafter, MTPDrafter):
-            steps = self._mtp(slots, features, next_ids, new, num_tokens, select)
+            steps = self._mtp(slots, features, next_ids, new, num_tokens, select, keep_going)
         else:
-            steps = self._block(slots, features, new, anchors, num_tokens, select)
+            steps = self._block(slots, features, new, anchors, num_tokens, select, keep_going)
         if not steps:
             empty = anchors.new_zeros(len(slots), 0)
             return empty, None, empty.float()
@@ -50,7 +52,7 @@ class BatchDrafter:
         probs = None if probs[0] is None else torch.stack(probs, 1)
         return torch.stack(tokens, 1), probs, torch.stack(conf, 1)
 
-    def _block(self, slots, features, new, anchors, num_tokens, select):
+    def _block(self, slots, features, new, anchors, num_tokens, select, keep_going):
         drafter, block = self.drafter, self.drafter.config.block_size
         step = RaggedStep.build(self.pool, slots, new, packed=False)
         cache = PoolCache(step, transient=block)
@@ -71,9 +73,11 @@ class BatchDrafter:
                 logits = self.lm_head(row.to(self.lm_head.weight.dtype))
             previous, probs, conf = select(logits, j)
             out.append((previous, probs, conf))
+            if keep_going is not None and not keep_going(conf, j):
+                break
         return out
 
-    def _mtp(self, slots, features, next_ids, new, num_tokens, select):
+    def _mtp(self, slots, features, next_ids, new, num_tokens, select, keep_going):
         drafter = self.drafter
         step = RaggedStep.build(self.pool, slots, new, packed=False)
         positions = step.query_positions()
@@ -87,6 +91,8 @@ class BatchDrafter:
         for j in range(num_tokens):
             token, probs, conf = select(drafter.head(hidden, self.lm_head), j)
             out.append((token, probs, conf))
+            if keep_going is not None and not keep_going(conf, j):
+                break
             if j + 1 < num_tokens:  # chain: the drafter's own output stands in for the target's hidden state
                 chain = RaggedStep.build(self.pool, slots, ones, packed=False)
                 hidden = drafter(hidden[:, None], self.embed(token[:, None]).to(drafter.dtype),

@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from angelspec_hf.modeling.candidate_generator import ngram_continuation
+
 from . import kernels
 from .dcut import AcceptanceCalibrator, CostModel, load_or_profile
 from .drafting import BatchDrafter
 from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep
+from .penalties import PenaltyState, apply_penalties
 from .sampling import ACCEPT, DRAFT, RESAMPLE, process_logits, sample_from, uniforms
 
 FINISH_LENGTH, FINISH_EOS, FINISH_CANCELLED = "length", "eos_token", "cancelled"
@@ -44,6 +47,14 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
+    repetition_penalty: float = 1.0  # 1 = off; see penalties.py for the three rules
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_n_tokens: int = 0  # report the n most likely tokens at every generated position
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty, self.frequency_penalty, self.presence_penalty) != (1.0, 0.0, 0.0)
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -54,6 +65,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, 2**63), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not isinstance(self.top_n_tokens, int) or not 0 <= self.top_n_tokens <= 1024:
+            raise ValueError(f"top_n_tokens must be an integer in [0, 1024], got {self.top_n_tokens!r}")
 
 
 @dataclass
@@ -64,6 +82,7 @@ class TokenEvent:
     from_draft: list[bool]
     finished: bool = False
     finish_reason: str | None = None
+    top_tokens: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), most likely first
 
 
 @dataclass
@@ -98,6 +117,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     prefilled: bool = False
+    penalties: PenaltyState | None = None
 
 
 def parse_verify(verify) -> tuple[str, int | None]:
@@ -116,7 +136,8 @@ def parse_verify(verify) -> tuple[str, int | None]:
 
 class SpeculativeEngine:
     def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
-                 cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None):
+                 cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
+                 lookup_tokens: int | None = None):
         if drafter is not None:
             drafter.check_target(target)
         self.mode, self.mode_value = parse_verify(verify)
@@ -139,6 +160,14 @@ class SpeculativeEngine:
         eos = target.generation_config.eos_token_id if target.generation_config is not None else None
         self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         self.calibrator = calibrator or AcceptanceCalibrator()
+        # n-gram lookup proposals (the drafter config's `lookup_tokens` unless given): confidence = matched n-gram
+        # length / lookup_max_ngram, calibrated on their own
+        config_lookup = getattr(drafter.config, "lookup_tokens", 0) if drafter is not None else 0
+        self.lookup_tokens = config_lookup if lookup_tokens is None else lookup_tokens
+        if self.lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
+        self.lookup_max_ngram = getattr(drafter.config, "lookup_max_ngram", 3) if drafter is not None else 3
+        self.lookup_calibrator = AcceptanceCalibrator(prior=0.5)
         self.cost_model_cache = cost_model_cache
         self._cost_model = cost_model
         self._ids = itertools.count()
@@ -159,7 +188,8 @@ class SpeculativeEngine:
         if self.mode == "auto" and self._cost_model is None:
             self._cost_model = load_or_profile(self, cost_model_cache)  # before any request: it uses idle slots
         self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
-                       "verified": 0, "accepted": 0, "pruned": 0, "requests_finished": 0, "seconds": 0.0}
+                       "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "requests_finished": 0,
+                       "seconds": 0.0}
 
     # ---- public API ------------------------------------------------------------------------------------------------
     @property
@@ -196,6 +226,8 @@ class SpeculativeEngine:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         stop = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_ids)
         request = _Request(next(self._ids), prompt, params, seed, stop)
+        if params.penalised:
+            request.penalties = PenaltyState(prompt, vocab, self.device)
         self.requests[request.id] = request
         self.waiting.append(request)
         return request.id
@@ -243,13 +275,18 @@ class SpeculativeEngine:
         # 1. draft
         k = 0
         draft = torch.zeros(len(order), 0, dtype=torch.long, device=dev)
-        draft_probs, conf = None, None
+        draft_probs, conf, lookup, row_limit = None, None, None, None
+        sampled = torch.tensor([r.params.do_sample for r in requests], device=dev)
         draft_now = self.batch_drafter is not None and n_dec > 0 and self._should_draft()
         if draft_now:
             k = self.batch_drafter.num_draft_tokens
-            if self.mode == "depth":  # a fixed depth never verifies more: do not draft more
+            if self.mode in ("depth", "budget"):  # no row ever verifies more: do not draft more
                 k = min(k, self.mode_value)
-            d_tokens, d_probs, d_conf = self._draft(slots[n_pre:], requests[n_pre:], k)
+            keep_going = self._drafting_bound(remaining[n_pre:], requests, n_dec) if self.mode == "auto" else None
+            d_tokens, d_probs, d_conf = self._draft(slots[n_pre:], requests[n_pre:], k, keep_going)
+            if self.lookup_tokens and self.mode != "depth":
+                d_tokens, d_probs, d_conf, lookup, row_limit = self._lookup(
+                    requests[n_pre:], remaining[n_pre:], sampled[n_pre:], d_tokens, d_probs, d_conf)
             k = d_tokens.shape[1]
             draft = torch.cat([d_tokens.new_zeros(n_pre, k), d_tokens])
             conf = torch.cat([d_conf.new_zeros(n_pre, k), d_conf])
@@ -257,11 +294,14 @@ class SpeculativeEngine:
                 draft_probs = torch.cat([d_probs.new_zeros(n_pre, *d_probs.shape[1:]), d_probs])
         num_drafted = (remaining - 1).clamp(min=0, max=k)
         num_drafted[:n_pre] = 0
+        if row_limit is not None:
+            num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
+            lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
 
         # 2. choose what to verify
         base_tokens = sum(len(r.prompt) for r in requests[:n_pre]) + n_dec
-        sampled = torch.tensor([r.params.do_sample for r in requests], device=dev)
-        depth = self._select(conf, num_drafted, len(order), base_tokens, n_dec, trace, sampled)
+        accept = self._acceptance(conf, lookup)
+        depth = self._select(accept, num_drafted, len(order), base_tokens, n_dec, trace, sampled)
 
         # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
         new = torch.cat([torch.tensor([len(r.prompt) for r in requests[:n_pre]], dtype=torch.long, device=dev),
@@ -288,6 +328,7 @@ class SpeculativeEngine:
         ar = torch.arange(span, device=dev)[None, :]
         rows_index = (ends - depth)[:, None] + torch.minimum(ar, depth[:, None])
         raw = logits[rows_index]  # [B, span, V]
+        raw = self._penalise(raw, draft, requests)
         greedy = torch.tensor([not r.params.do_sample for r in requests], device=dev)
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=dev)
         gen_pos = torch.tensor([len(r.generated) for r in requests], device=dev)[:, None] + ar
@@ -306,14 +347,20 @@ class SpeculativeEngine:
         kept = torch.where(torch.arange(len(order), device=dev) < n_pre, new, 1 + num_accepted)
         self.pool.lengths[slots] = step.held + kept
         if draft_now and n_dec:
-            self.calibrator.update(conf[n_pre:], depth[n_pre:], num_accepted[n_pre:])
+            rows = torch.arange(len(order), device=dev) >= n_pre
+            for calibrator, chosen in ((self.calibrator, rows if lookup is None else rows & ~lookup),
+                                       (self.lookup_calibrator, None if lookup is None else rows & lookup)):
+                if chosen is not None and bool(chosen.any()):
+                    calibrator.update(conf[chosen], depth[chosen], num_accepted[chosen])
         emitted = torch.cat([draft_v, draft_v.new_zeros(len(order), 1)], 1)
         emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
-        logprobs = torch.log_softmax(raw.float(), -1).gather(-1, emitted[..., None]).squeeze(-1)
+        log_probs = torch.log_softmax(raw.float(), -1)
+        logprobs = log_probs.gather(-1, emitted[..., None]).squeeze(-1)
+        top = self._top_tokens(log_probs, requests)
         if self.batch_drafter is not None:
             self._keep_features(out, step, slots, kept, fed, emitted, num_accepted, n_pre)
         self.anchor[slots] = next_token
-        events += self._emit(requests, emitted.tolist(), num_accepted.tolist(), logprobs.tolist())
+        events += self._emit(requests, emitted.tolist(), num_accepted.tolist(), logprobs.tolist(), top)
 
         # 6. bookkeeping
         seconds = time.perf_counter() - start
@@ -335,6 +382,7 @@ class SpeculativeEngine:
         t["verified"] += trace.verified_tokens
         t["accepted"] += int(num_accepted[n_pre:].sum())
         t["pruned"] += trace.pruned_tokens
+        t["lookup_rows"] += int(lookup.sum()) if lookup is not None else 0
         t["seconds"] += seconds
         return events
 
@@ -387,7 +435,51 @@ class SpeculativeEngine:
         top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device).repeat_interleave(span)
         return process_logits(logits, temperature, top_k, top_p)
 
-    def _draft(self, slots, requests, k):
+    def _penalise(self, raw, draft, requests):
+        """`raw [B, span, V]` with each penalised request's rows penalised position by position (penalties.py)."""
+        rows = [i for i, r in enumerate(requests) if r.penalties is not None]
+        if not rows:
+            return raw
+        sub = [requests[i] for i in rows]
+        index = torch.tensor(rows, device=raw.device)
+
+        def per_request(name):
+            return torch.tensor([getattr(r.params, name) for r in sub], device=raw.device)
+
+        raw = raw.float().clone()
+        raw[index] = apply_penalties(raw[index], draft[index], torch.stack([r.penalties.seen for r in sub]),
+                                     torch.stack([r.penalties.counts for r in sub]), per_request("repetition_penalty"),
+                                     per_request("frequency_penalty"), per_request("presence_penalty"))
+        return raw
+
+    def _top_tokens(self, log_probs, requests):
+        """`[B][span]` lists of (id, logprob) of the n most likely tokens for requests asking for them, else None."""
+        n = max(r.params.top_n_tokens for r in requests)
+        if n == 0:
+            return None
+        values, ids = log_probs.topk(min(n, log_probs.shape[-1]), dim=-1)
+        return [[list(zip(i[: r.params.top_n_tokens], v[: r.params.top_n_tokens])) for i, v in zip(ii, vv)]
+                if r.params.top_n_tokens else None for r, ii, vv in zip(requests, ids.tolist(), values.tolist())]
+
+    def _drafting_bound(self, remaining, requests, n_dec):
+        """`keep_going` for drafting in "auto" mode: position j + 1 can be worth verifying only while some request's
+        calibrated survival through j is at least `c · n_dec / verify(rows, tokens)` (an extra verified token costs c
+        seconds; below that bound it adds fewer tokens per second than a plain step makes). Survival uses the
+        confidences of positions up to j, known before token j is drawn, so stopping here keeps sampling exact."""
+        cost = self.cost_model
+        rows = len(requests)
+        base = sum(len(r.prompt) for r in requests if not r.prefilled) + n_dec
+        bound = cost.verify_coef[2] * n_dec / cost.verify(rows, base)
+        survival = torch.ones(len(remaining), device=remaining.device)
+
+        def keep_going(conf, j):
+            nonlocal survival
+            survival = survival * self.calibrator.at(conf, j)
+            return bool(((survival >= bound) & (remaining - 1 > j + 1)).any())
+
+        return keep_going
+
+    def _draft(self, slots, requests, k, keep_going=None):
         """Feed each request's pending target features to the drafter and draft k tokens after its anchor."""
         dev = self.device
         row_of_slot = torch.full((self.max_batch_size,), -1, dtype=torch.long, device=dev)
@@ -424,7 +516,7 @@ class SpeculativeEngine:
             return token, probs, conf
 
         anchors = self.anchor[slots]
-        return self.batch_drafter.draft(slots, features, next_ids, new, anchors, k, select)
+        return self.batch_drafter.draft(slots, features, next_ids, new, anchors, k, select, keep_going)
 
     # ---- D-Cut, and why it stays exact for sampled requests ------------------------------------------------------
     # Rejection sampling (Leviathan et al.) emits a token distributed as the target's p at draft position k only if the
@@ -448,10 +540,56 @@ class SpeculativeEngine:
         the first depend on its drawn tokens, so it is planned as if every position were as likely as its first."""
         return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
 
-    def _select(self, conf, num_drafted, rows, base_tokens, n_dec, trace, sampled) -> torch.Tensor:
+    def _acceptance(self, conf, lookup):
+        """Calibrated acceptance `[B, K]` of every drafted position (None when nothing was drafted): the drafter's
+        calibration, or the lookup's for rows that carry an n-gram lookup."""
         if conf is None or conf.shape[1] == 0:
-            return torch.zeros_like(num_drafted)
+            return None
         accept = self.calibrator(conf)
+        if lookup is not None and bool(lookup.any()):
+            accept = torch.where(lookup[:, None], self.lookup_calibrator(conf), accept)
+        return accept
+
+    def _lookup(self, requests, remaining, sampled, tokens, probs, conf):
+        """Give each decode request the n-gram lookup continuation of its context (the tokens that followed the latest
+        earlier occurrence of its last `lookup_max_ngram` or fewer tokens) in place of the drafter's block, where the
+        lookup is expected to have more tokens accepted. Returns the new `tokens, probs, conf`, which rows took a
+        lookup `[B]` and how many positions each row carries `[B]`.
+
+        Exact for sampled requests: a lookup is a deterministic proposal (its q is one-hot), and the choice reads only
+        what is known before the drafter's first token was drawn (the lookup's own calibrated acceptance, and the
+        drafter's as `plan_acceptance` plans it: from its first position's confidence)."""
+        width, dev = tokens.shape[1], tokens.device
+        span = min(self.lookup_tokens, self.batch_drafter.num_draft_tokens)
+        found = [ngram_continuation(torch.tensor(r.prompt + r.generated), self.lookup_max_ngram,
+                                    max(0, min(span, left - 1))) for r, left in zip(requests, remaining.tolist())]
+        lengths = torch.tensor([len(cont) for cont, _ in found], device=dev)
+        if not bool((lengths > 0).any()):
+            return tokens, probs, conf, torch.zeros_like(lengths, dtype=torch.bool), torch.full_like(lengths, width)
+        wide = max(width, int(lengths.max()))
+        l_tokens = torch.zeros(len(requests), wide, dtype=torch.long, device=dev)
+        for i, (cont, _) in enumerate(found):
+            l_tokens[i, : len(cont)] = torch.tensor(cont, dtype=torch.long, device=dev)
+        valid = torch.arange(wide, device=dev)[None, :] < lengths[:, None]
+        matched = torch.tensor([n for _, n in found], device=dev) / self.lookup_max_ngram
+        l_conf = torch.where(valid, matched[:, None].expand(-1, wide), torch.zeros((), device=dev))
+        l_expected = (torch.cumprod(self.lookup_calibrator(l_conf), 1) * valid).sum(1)
+        d_expected = torch.cumprod(self.plan_acceptance(self.calibrator(conf), sampled), 1).sum(1) if width else 0.0
+        use = (lengths > 0) & (l_expected > d_expected)
+
+        def widen(x):
+            return torch.cat([x, x.new_zeros(x.shape[0], wide - width, *x.shape[2:])], 1)
+
+        tokens = torch.where(use[:, None], l_tokens, widen(tokens))
+        conf = torch.where(use[:, None], l_conf, widen(conf))
+        if probs is not None:
+            one_hot = torch.zeros_like(widen(probs)).scatter_(2, l_tokens[..., None], 1.0)
+            probs = torch.where(use[:, None, None], one_hot, widen(probs))
+        return tokens, probs, conf, use, torch.where(use, lengths, torch.full_like(lengths, width))
+
+    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled) -> torch.Tensor:
+        if accept is None:
+            return torch.zeros_like(num_drafted)
         if self.mode == "depth":
             depth = num_drafted.clamp(max=self.mode_value)
             survival = torch.cumprod(accept, 1)
@@ -462,7 +600,7 @@ class SpeculativeEngine:
         else:
             cost = self.cost_model
             max_extra = int(num_drafted.sum())
-            costs = cost.step_costs(rows, base_tokens, max_extra, drafted=True, device=conf.device)
+            costs = cost.step_costs(rows, base_tokens, max_extra, drafted=True, device=accept.device)
             plan = self.plan_acceptance(accept, sampled)
             depth, planned, chosen = kernels.dcut_select(plan, num_drafted, max_extra, costs, float(n_dec))
             ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
@@ -497,9 +635,9 @@ class SpeculativeEngine:
         self.pending_slot = torch.cat([self.pending_slot, slots[rows]])
         self.pending_next = torch.cat([self.pending_next, next_ids])
 
-    def _emit(self, requests, emitted, num_accepted, logprobs) -> list[TokenEvent]:
+    def _emit(self, requests, emitted, num_accepted, logprobs, top=None) -> list[TokenEvent]:
         events = []
-        for request, tokens, n, lps in zip(requests, emitted, num_accepted, logprobs):
+        for row, (request, tokens, n, lps) in enumerate(zip(requests, emitted, num_accepted, logprobs)):
             first_step = not request.prefilled
             request.prefilled = True
             count = 1 if first_step else n + 1
@@ -515,8 +653,11 @@ class SpeculativeEngine:
                 count, reason = room, FINISH_LENGTH
             tokens, lps, from_draft = tokens[:count], lps[:count], from_draft[:count]
             request.generated.extend(tokens)
+            if request.penalties is not None:
+                request.penalties.add(tokens)
             self.totals["tokens"] += len(tokens)
-            events.append(TokenEvent(request.id, tokens, lps, from_draft, reason is not None, reason))
+            top_tokens = top[row][:count] if top is not None and top[row] is not None else None
+            events.append(TokenEvent(request.id, tokens, lps, from_draft, reason is not None, reason, top_tokens))
             if reason is not None:
                 self._finish(request)
         return events

@@ -29,6 +29,10 @@ class ModelArguments:
         default=None, metadata={"help": "Give the drafter the pruned draft vocabulary of this drafter (folder or Hub "
                                         "id); training then runs over those ids (see train_vocab)."}
     )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "A fresh drafter's config fields, as in transformers' run_clm: "
+                                        "'use_ar_head=false,num_hidden_layers=2'."}
+    )
     lora_r: int = field(default=0, metadata={"help": "> 0: train a LoRA adapter of this rank (PEFT) instead."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
@@ -41,14 +45,36 @@ def last_complete_checkpoint(output_dir) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
+def parse_config_overrides(text: str | None, config_class) -> dict:
+    """`"a=1,b=false,c=silu"` -> `{"a": 1, "b": False, "c": "silu"}`; a field the config does not have is refused."""
+    import dataclasses
+    import json
+
+    known = {f.name for f in dataclasses.fields(config_class)}
+    out = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not key:
+            raise ValueError(f"config_overrides: expected key=value, got {item!r}")
+        if key not in known:
+            raise ValueError(f"config_overrides: {config_class.__name__} has no field {key!r}")
+        try:
+            out[key] = json.loads(value.lower() if value.lower() in ("true", "false", "null") else value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target):
     import angelspec_hf
     from angelspec_hf.modeling import DRAFTERS
 
     if margs.init_drafter:
+        if margs.config_overrides:
+            raise ValueError("config_overrides shape a fresh drafter; it cannot be combined with init_drafter")
         drafter = angelspec_hf.load_drafter(margs.init_drafter)
     else:
-        overrides = {}
+        overrides = parse_config_overrides(margs.config_overrides, DRAFTERS[args.drafter_type][0])
         if args.target_layer_ids is not None:
             overrides["target_layer_ids"] = args.target_layer_ids
         if args.num_drafter_layers is not None:

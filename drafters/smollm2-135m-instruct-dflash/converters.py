@@ -4,6 +4,10 @@
 * Tencent AngelSpec DFly (`architectures: ["Qwen3DFlyModel"]` or `["DFlyDraftModel"]`, with `target_num_hidden_layers`):
   `context_proj/context_norm/final_norm/hidden_correction` become `fc/hidden_norm/norm/ar_head`; its frozen copy of
   the target's embedding is dropped (we use the target's own).
+* EAGLE-3 as vLLM and SGLang load it (`architectures: ["LlamaForCausalLMEagle3"]`), written by `export_eagle` from an
+  MTP drafter with `layout="eagle3"` (marked by a nested `angelspec` block): `midlayer.` becomes `layers.0.`, `d2t`
+  becomes `draft_vocab_ids`, and `lm_head.weight` (the target's own rows) is dropped. Other EAGLE-3 checkpoints train
+  their own LM head, which AngelSpec drafters do not have: they are refused.
 
 A checkpoint that declares neither is native and goes through `PreTrainedModel.from_pretrained`.
 """
@@ -23,6 +27,8 @@ from .modeling_dflash import DFlashDrafter
 from .configuration_dfly import DFlyConfig
 from .modeling_dfly import DFlyDrafter
 from .drafter_utils import read_config_dict
+from .configuration_mtp import MTPConfig, engines_eagle3_layer_ids
+from .modeling_mtp import MTPDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +114,59 @@ def _angelspec_dfly_weights(state: dict) -> dict:
     return out
 
 
+# ---- EAGLE-3 (vLLM `models/llama_eagle3.py` `Eagle3LlamaForCausalLM`, SGLang `models/llama_eagle3.py`
+# `LlamaForCausalLMEagle3`) -------------------------------------------------------------------------------------------
+EAGLE3_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}  # both engines map either name
+# An MTP drafter's fields with no EAGLE-3 counterpart, kept in the export's nested `angelspec` block.
+_MTP_FIELDS = ("layout", "target_layer_ids", "num_target_layers", "target_model_type", "num_draft_tokens",
+               "draft_length", "draft_stop_threshold", "lookup_tokens", "lookup_max_ngram")
+
+
+def _is_angelspec_eagle3(cfg: dict) -> bool:
+    return bool(EAGLE3_ARCHITECTURES & set(cfg.get("architectures") or [])) and (
+        (cfg.get("angelspec") or {}).get("layout") == "eagle3")
+
+
+def _angelspec_eagle3_config(cfg: dict, overrides: dict) -> MTPConfig:
+    fields = _backbone_fields(cfg) | dict(cfg["angelspec"])
+    if cfg.get("rope_scaling"):  # engines read the legacy keys; ours are `rope_parameters`
+        fields["rope_parameters"] = dict(cfg["rope_scaling"]) | {"rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    draft_vocab = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    fields["draft_vocab_size"] = draft_vocab if draft_vocab < cfg["vocab_size"] else None
+    return MTPConfig(**(fields | overrides))
+
+
+def _angelspec_eagle3_weights(state: dict) -> dict:
+    out, d2t = {}, None
+    for name, tensor in state.items():
+        if name in ("lm_head.weight", "t2d"):  # the target's own head rows; the mask t2d repeats d2t
+            continue
+        if name == "d2t":  # EAGLE-3 stores offsets: draft id i is target id i + d2t[i]
+            d2t = tensor
+            continue
+        out[name.replace("midlayer.", "layers.0.", 1) if name.startswith("midlayer.") else name] = tensor
+    if d2t is not None:
+        out["draft_vocab_ids"] = torch.arange(len(d2t)) + d2t.long()
+    return out
+
+
+def _refuse_other_eagle3(cfg: dict, overrides: dict):
+    raise ValueError(
+        "this is an EAGLE-3 checkpoint with its own trained LM head; AngelSpec drafters draft through the target's "
+        "LM head, so it cannot be loaded as one. Serve it with vLLM or SGLang, or train an MTP drafter with "
+        "layout='eagle3' (`angelspec train --drafter mtp --config_overrides layout=eagle3`).")
+
+
 # (name, test on config.json, drafter class, config builder, weight renamer)
 FOREIGN_FORMATS = (
     ("z-lab DFlash", lambda c: "DFlashDraftModel" in (c.get("architectures") or []) and "dflash_config" in c,
      DFlashDrafter, _zlab_dflash_config, lambda s: s),
     ("AngelSpec DFly", lambda c: bool({"Qwen3DFlyModel", "DFlyDraftModel"} & set(c.get("architectures") or []))
      and "target_num_hidden_layers" in c, DFlyDrafter, _angelspec_dfly_config, _angelspec_dfly_weights),
+    ("AngelSpec MTP in the EAGLE-3 layout", _is_angelspec_eagle3, MTPDrafter, _angelspec_eagle3_config,
+     _angelspec_eagle3_weights),
+    ("EAGLE-3", lambda c: bool(EAGLE3_ARCHITECTURES & set(c.get("architectures") or [])), MTPDrafter,
+     _refuse_other_eagle3, None),
 )
 
 
@@ -146,7 +199,7 @@ def load_foreign_checkpoint(cls, path_or_repo, **kwargs):
         state = rename(_load_safetensors(str(path_or_repo), hub_kwargs))
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
         if dtype == "auto":
-            dtype = next(iter(state.values())).dtype if state else torch.float32
+            dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
         model = drafter_cls(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -181,5 +234,69 @@ def export_zlab_dflash(drafter: DFlashDrafter, folder) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return folder
+
+
+def check_eagle_exportable(drafter) -> None:
+    """Raise a `ValueError` saying what to do instead when `export_eagle` cannot express `drafter` exactly."""
+    if not isinstance(drafter, MTPDrafter):
+        hint = ("export it to z-lab's DFlash layout with `export_zlab_dflash` (`angelspec export --format zlab`), which "
+                "vLLM and SGLang serve as `dflash`" if type(drafter) is DFlashDrafter else
+                "neither vLLM nor SGLang has its architecture (block drafting with an autoregressive head and "
+                "per-layer target fusion); serve it with `angelspec serve`")
+        raise ValueError(f"only an MTP drafter with layout='eagle3' has an EAGLE layout, not {type(drafter).__name__}: "
+                         f"{hint}")
+    if drafter.config.layout != "eagle3":
+        raise ValueError(
+            f"this MTP drafter has layout={drafter.config.layout!r}: its eh_proj/hnorm/enorm input and Qwen3 layer "
+            "(QK-norm, normed fused input) cannot be expressed in vLLM's or SGLang's EAGLE layouts (EAGLE-3 norms the "
+            "embedding and the state inside the layer, keeps the un-normed state as residual and has no QK-norm; "
+            "EAGLE-1 has no final norm). Train a drafter in the EAGLE-3 layout and export that one: "
+            "`angelspec train --drafter mtp --config_overrides layout=eagle3 ...`.")
+
+
+def export_eagle(drafter: MTPDrafter, folder, target) -> Path:
+    """Write an MTP drafter with `layout="eagle3"` in the EAGLE-3 layout vLLM (`--speculative-config
+    '{"method": "eagle3", ...}'`) and SGLang (`--speculative-algorithm EAGLE3`) load: `config.json` (a Llama config,
+    `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`, `target_hidden_size`) and `model.safetensors` with
+    `fc.weight` `[H, 3H]`, `midlayer.*` (the one decoder layer, q/k/v `[*, 2H]`), `norm.weight`, `lm_head.weight`
+    (the `target`'s LM head rows for the draft vocabulary, `[draft_vocab_size, H]`) and, for a pruned draft vocabulary,
+    `d2t` (offsets: draft id i drafts target id `i + d2t[i]`) and `t2d` (a `[vocab_size]` bool mask). The embedding is
+    not written: both engines share the target's. It loads back through `load_foreign_checkpoint`."""
+    check_eagle_exportable(drafter)
+    c = drafter.config
+    drafter.check_target(target)
+    head = target.get_output_embeddings().weight.detach()  # [V, H]
+    pruned = c.draft_vocab_size is not None
+    ids = drafter.draft_vocab_ids.to(head.device) if pruned else torch.arange(c.vocab_size, device=head.device)
+    dtype = drafter.dtype
+    state = {"fc.weight": drafter.fc.weight, "norm.weight": drafter.norm.weight}
+    state |= {f"midlayer.{name}": t for name, t in drafter.layers[0].state_dict().items()}
+    state["lm_head.weight"] = head[ids].to(dtype)
+    if pruned:
+        ids = ids.cpu()
+        state["d2t"] = ids - torch.arange(len(ids))
+        state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layer_ids = list(c.target_layer_ids)
+    config = {k: getattr(c, k) for k in _QWEN3_FIELDS} | {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "draft_vocab_size": len(ids), "target_hidden_size": c.hidden_size, "tie_word_embeddings": False,
+        "mlp_bias": False, "rope_theta": c.rope_parameters["rope_theta"], "torch_dtype": str(dtype).removeprefix("torch."),
+        "rope_scaling": None if c.rope_parameters.get("rope_type", "default") == "default" else
+        {k: v for k, v in c.rope_parameters.items() if k != "rope_theta"},
+        "eagle_config": {"use_aux_hidden_state": True},
+        "angelspec": {k: getattr(c, k) for k in _MTP_FIELDS},
+    }
+    if c.num_target_layers is None or layer_ids != engines_eagle3_layer_ids(c.num_target_layers):
+        # Not the engines' default layers, so name them, in each engine's own convention: vLLM reads the top-level
+        # key as the layers whose *input* it captures (gpu_model_runner, llama.py); SGLang reads `eagle_config`'s as
+        # layer outputs and adds 1 itself (model_runner, llama.py `set_eagle3_layers_to_capture`).
+        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layer_ids]
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, folder / "model.safetensors",
               metadata={"format": "pt"})
     return folder

@@ -48,17 +48,20 @@ class DFlyDrafter(DFlashDrafter):
 
     def _build_extra_modules(self, config: DFlyConfig) -> None:
         num_layers, num_features = config.num_hidden_layers, len(config.target_layer_ids)
-        self.layer_fusion_weights = nn.Parameter(torch.zeros(num_layers, num_features))
+        if config.use_layer_fusion:
+            self.layer_fusion_weights = nn.Parameter(torch.zeros(num_layers, num_features))
         self.ar_head = DFlyARHead(config) if config.use_ar_head else None
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, DFlyDrafter):
+        if isinstance(module, DFlyDrafter) and module.config.use_layer_fusion:
             from transformers import initialization as init
 
             init.zeros_(module.layer_fusion_weights)  # softmax(0) = an even mixture of the target layers
 
     def layer_contexts(self, context_hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        if not self.config.use_layer_fusion:
+            return super().layer_contexts(context_hidden_states)
         shared = self.fc(context_hidden_states)  # [B, N, H]
         per_layer = context_hidden_states.unflatten(-1, (len(self.config.target_layer_ids), -1))  # [B, N, T, H]
         mix = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(per_layer.dtype)  # [L, T]

@@ -15,12 +15,16 @@ class DFlyConfig(DFlashConfig):
         `[norm(h_j); norm(embed(token_{j-1}))]` added to `h_j`, zero-initialised so an untrained head changes nothing).
     ar_head_intermediate_size (`int`, *optional*):
         Width of that MLP; defaults to `hidden_size`.
+    use_layer_fusion (`bool`, defaults to `True`):
+        Give each draft layer its own learned mixture of the raw target layers on top of the shared projection
+        (hybrid conditioning). `False` gives every layer DFlash's one shared context (an ablation).
     """
 
     model_type = "angelspec_dfly"
 
     use_ar_head: bool = True
     ar_head_intermediate_size: int | None = None
+    use_layer_fusion: bool = True
 
     def __post_init__(self, **kwargs):
         if self.ar_head_intermediate_size is None:

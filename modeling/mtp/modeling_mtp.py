@@ -2,7 +2,9 @@
 
 At position t the input is `eh_proj([hnorm(h_t); enorm(embed(x_{t+1}))])`, where `h_t` is the target's hidden state
 (`target_layer_ids`, by default its last layer) and `x_{t+1}` the next token; the output, through the final norm and
-the target's LM head, predicts `x_{t+2}`. Drafting more tokens chains the drafter's own output hidden state in place
+the target's LM head, predicts `x_{t+2}`. With `layout="eagle3"` the same drafter has EAGLE-3's architecture instead
+(`Eagle3DecoderLayer`: three target layers fused by `fc`, the embedding and the state normed inside the layer), which
+vLLM and SGLang serve once exported with `converters.export_eagle`. Drafting more tokens chains the drafter's own output hidden state in place
 of the target's (as at training time, when the loss unrolls the same chain). The drafter keeps a KV cache over the
 accepted context and drops its speculative entries after every round. Embedding and LM head are the target's.
 """
@@ -12,23 +14,54 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ..drafter_utils import DraftState, DrafterOutput, DrafterPreTrainedModel, causal_additive_mask
 from .configuration_mtp import MTPConfig
 
 
+class Eagle3DecoderLayer(GradientCheckpointingLayer):
+    """EAGLE-3's draft layer as vLLM (`llama_eagle3.LlamaDecoderLayer`, layer 0) and SGLang (`llama_eagle3.
+    LlamaDecoderLayer`) run it. Diff with `LlamaDecoderLayer`: attention reads `[input_layernorm(embeds);
+    hidden_norm(hidden)]`, so q/k/v take `2 * hidden_size` inputs, and the residual is the un-normed `hidden`."""
+
+    def __init__(self, config: MTPConfig, layer_idx: int = 0):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)  # Llama's: no QK-norm
+        for name in ("q_proj", "k_proj", "v_proj"):
+            width = getattr(self.self_attn, name).out_features
+            setattr(self.self_attn, name, nn.Linear(2 * config.hidden_size, width, bias=config.attention_bias))
+        self.mlp = Qwen3MLP(config)  # = LlamaMLP without bias (gate/up/down)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # on the embeddings
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, inputs_embeds, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        attn_input = torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden_states)], dim=-1)  # [B, T, 2H]
+        attn_output, _ = self.self_attn(attn_input, position_embeddings=position_embeddings,
+                                        attention_mask=attention_mask, cache=cache, **kwargs)
+        hidden_states = residual + attn_output
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
 class MTPDrafter(DrafterPreTrainedModel):
     config_class = MTPConfig
     config: MTPConfig
-    _no_split_modules = ["Qwen3DecoderLayer"]
+    _no_split_modules = ["Qwen3DecoderLayer", "Eagle3DecoderLayer"]
 
     def __init__(self, config: MTPConfig):
         super().__init__(config)
-        self.hnorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.enorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        if config.layout == "eagle3":
+            self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+            self.layers = nn.ModuleList([Eagle3DecoderLayer(config, 0)])
+        else:
+            self.hnorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.enorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+            self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.post_init()
@@ -48,8 +81,9 @@ class MTPDrafter(DrafterPreTrainedModel):
         **kwargs,
     ) -> DrafterOutput:
         r"""
-        context_hidden_states (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`):
-            Target hidden states `h_t` (or the drafter's own previous output when chaining).
+        context_hidden_states (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size * len(target_layer_ids))`):
+            Target hidden states `h_t`, or the drafter's own previous output `(batch_size, seq_len, hidden_size)` when
+            chaining (with `layout="eagle3"` only the former goes through `fc`, as in vLLM and SGLang).
         inputs_embeds (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`):
             Target embeddings of the next tokens `x_{t+1}`. Training passes `(batch_size, S, seq_len, hidden_size)`
             (the next tokens of S chained steps) to unroll S steps in one call, see `_unrolled`.
@@ -67,10 +101,17 @@ class MTPDrafter(DrafterPreTrainedModel):
             position_ids = torch.arange(past, past + seq_len, device=inputs_embeds.device).expand(batch, -1)
         if attention_mask is None and seq_len > 1:
             attention_mask = causal_additive_mask(seq_len, past, inputs_embeds.dtype, inputs_embeds.device)
-        hidden = self.eh_proj(torch.cat([self.hnorm(context_hidden_states), self.enorm(inputs_embeds)], dim=-1))
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=attention_mask, cache=cache, position_embeddings=position_embeddings)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        if self.config.layout == "eagle3":
+            hidden = context_hidden_states
+            if hidden.shape[-1] != self.config.hidden_size:  # target features [B, T, 3H]; a chained state is [B, T, H]
+                hidden = self.fc(hidden)
+            hidden = self.layers[0](hidden, inputs_embeds, attention_mask=attention_mask, cache=cache,
+                                    position_embeddings=position_embeddings)
+        else:
+            hidden = self.eh_proj(torch.cat([self.hnorm(context_hidden_states), self.enorm(inputs_embeds)], dim=-1))
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=attention_mask, cache=cache, position_embeddings=position_embeddings)
         logits = self.head(hidden, lm_head) if lm_head is not None else None
         return DrafterOutput(last_hidden_state=hidden, logits=logits, cache=cache)
 
