@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from angelspec_hf.modeling.candidate_generator import mean_accepted_length
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 
 
@@ -56,7 +57,7 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
         "seconds": seconds, "tokens": tokens, "throughput": tokens / seconds,
         "latency_p50": statistics.median(latencies),
         "latency_p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
-        "tau": (delta["accepted"] + rounds) / rounds if rounds else float("nan"),
+        "tau": mean_accepted_length(delta["accepted"], rounds),
         "verified_per_step": delta["verified"] / max(delta["steps"], 1),
         "pruned_per_step": delta["pruned"] / max(delta["steps"], 1),
         "speculative_steps": delta["speculative_steps"] / max(delta["steps"], 1),

@@ -75,9 +75,16 @@ def load_eval_prompts(name: str, limit: int | None = None) -> list[str]:
     return prompts[:limit]
 
 
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The ids of `prompt` as one user turn in the target's chat template, ready for the reply (every chat-templated
+    prompt of the package — bench, engine, training data, regeneration — goes through here)."""
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True)
+    return list(encoded["input_ids"])
+
+
 def chat_input_ids(tokenizer, prompt: str):
-    """`[1, T]` input ids of `prompt` as one user turn in the target's chat template, ready for the reply."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    return encoded["input_ids"]
+    """`chat_ids` as a `[1, T]` tensor."""
+    import torch
+
+    return torch.tensor([chat_ids(tokenizer, prompt)], dtype=torch.long)

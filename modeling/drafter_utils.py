@@ -66,21 +66,25 @@ class DraftState:
     context_length: int = 0  # context positions whose target features are in `cache`
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as an additive one: 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def padding_to_additive_mask(attention_mask, query_length: int, dtype: torch.dtype):
     """A 2-D keep-mask `[B, kv]` → additive `[B, 1, q, kv]` (None when nothing is masked); 4-D passes through."""
     if attention_mask is None or attention_mask.dim() == 4:
         return attention_mask
     if bool(attention_mask.all()):
         return None
-    keep = attention_mask[:, None, None, :].bool().expand(-1, 1, query_length, -1)
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+    return additive_mask(attention_mask[:, None, None, :].bool().expand(-1, 1, query_length, -1), dtype)
 
 
 def causal_additive_mask(query_length: int, past_length: int, dtype, device) -> torch.Tensor:
     """`[1, 1, q, past + q]` additive mask: query i sees every cached key and new keys 0..i."""
     kv = past_length + query_length
     allowed = torch.arange(kv, device=device)[None, :] <= (past_length + torch.arange(query_length, device=device))[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive_mask(allowed, dtype)[None, None]
 
 
 class DrafterPreTrainedModel(Qwen3PreTrainedModel):
@@ -201,12 +205,19 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Native checkpoints load as usual; foreign formats (z-lab DFlash, AngelSpec DFly) are converted, keyed on
-        their `config.json` (see `modeling/converters.py`)."""
-        from .converters import load_foreign_checkpoint
-
-        model = load_foreign_checkpoint(cls, pretrained_model_name_or_path, **kwargs)
-        if model is not None:
-            return model
+        their `config.json` (see `modeling/converters.py`). The converters are the library's, imported by name so
+        that an exported folder's code (`export_code` follows `from .x import` lines) carries only its own family:
+        a folder loaded with `trust_remote_code=True` is native and has no converters to look for."""
+        try:
+            converters = importlib.import_module(".converters", __package__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.converters":
+                raise
+            converters = None  # the code of an exported folder
+        if converters is not None:
+            model = converters.load_foreign_checkpoint(cls, pretrained_model_name_or_path, **kwargs)
+            if model is not None:
+                return model
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
 

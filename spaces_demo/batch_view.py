@@ -11,6 +11,7 @@ import time
 import gradio as gr
 import pandas as pd
 
+from angelspec_hf.modeling.candidate_generator import mean_accepted_length
 from angelspec_hf.prompts import chat_input_ids
 
 MAX_CONCURRENCY = 8
@@ -90,7 +91,7 @@ def run_requests(models, engine, prompts: list[str], max_new_tokens: int) -> dic
     return {
         "steps": steps, "tokens": [tokens[r] for r in rids], "request_ids": rids, "seconds": seconds, "new_tokens": total, "tokens_per_s": total / seconds,
         "verified": sum(s["verified_tokens"] for s in steps), "pruned": sum(s["pruned_tokens"] for s in steps),
-        "accepted": accepted, "mean_accepted_length": (accepted + decode_rows) / decode_rows if decode_rows else None,
+        "accepted": accepted, "mean_accepted_length": mean_accepted_length(accepted, decode_rows) if decode_rows else None,
         "plain_steps": sum(s["choice"] == "plain" for s in steps), "num_steps": len(steps),
     }
 

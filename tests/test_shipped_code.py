@@ -15,3 +15,14 @@ def test_shipped_code_matches_an_export_of_modeling(folder, tmp_path):
     assert sorted(shipped) == sorted(written), "run `python -m angelspec_hf.ship --code drafters/*`"
     stale = [name for name in written if shipped[name] != written[name]]
     assert not stale, f"{stale} differ from modeling/: run `python -m angelspec_hf.ship --code drafters/*`"
+
+
+@pytest.mark.parametrize("family,own", [("mtp", {"mtp"}), ("dflash", {"dflash"}), ("dfly", {"dflash", "dfly"})])
+def test_an_export_carries_only_its_familys_code(family, own, tmp_path):
+    from angelspec_hf.modeling import DRAFTERS
+    from angelspec_hf.modeling.drafter_utils import export_code
+
+    config_cls, drafter_cls = DRAFTERS[family]
+    names = {p.name for p in export_code(drafter_cls, tmp_path) + export_code(config_cls, tmp_path)}
+    families = {n.split("_", 1)[1][:-3] for n in names if n.startswith(("modeling_", "configuration_"))} - {"drafter"}
+    assert families == own and "converters.py" not in names, sorted(names)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from angelspec_hf.modeling.candidate_generator import ngram_continuation
+from angelspec_hf.modeling.candidate_generator import mean_accepted_length, ngram_continuation
+from angelspec_hf.prompts import chat_ids
 
 from . import kernels
 from .dcut import AcceptanceCalibrator, CostModel, load_or_profile
@@ -242,7 +243,7 @@ class SpeculativeEngine:
         t = self.totals
         rounds = t["decode_row_steps"]
         stats = dict(t)
-        stats["mean_accepted_length"] = (t["accepted"] + rounds) / rounds if rounds else float("nan")
+        stats["mean_accepted_length"] = mean_accepted_length(t["accepted"], rounds)
         stats["tokens_per_second"] = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
         stats["running"], stats["waiting"] = self.num_running, self.num_waiting
         stats["last_budget"] = self.last_step.budget if self.last_step else 0
@@ -730,8 +731,7 @@ def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: 
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError("string prompts need a tokenizer")
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"]
+            prompt = chat_ids(tokenizer, prompt)
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i)
         ids.append(engine.add_request(prompt, params))

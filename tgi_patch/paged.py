@@ -21,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from angelspec_hf.modeling.drafter_utils import additive_mask
+
 RAGGED_ATTENTION = "angelspec_ragged"
 
 
@@ -184,7 +186,7 @@ class RaggedStep:
 
 
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return additive_mask(allowed, dtype)
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from angelspec_hf.prompts import chat_ids
+
 
 def tokenize_example(tokenizer, prompt: str, response_ids: list[int], max_length: int) -> dict:
     """`input_ids` = the chat-templated prompt (with the generation prompt) + the target's own response ids;
     `supervised` marks the response tokens (the only ones with a loss)."""
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    prompt_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    prompt_ids = chat_ids(tokenizer, prompt)
     ids = (prompt_ids + list(response_ids))[:max_length]
     supervised = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_length]
     return {"input_ids": ids, "supervised": supervised}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from angelspec_hf.prompts import chat_ids
+
 
 def done_ids(path: Path) -> set[str]:
     """Ids already written. A run killed in the middle of a write leaves a partial last line: it is cut off."""
@@ -60,8 +62,7 @@ def regenerate(
     for rec in records:
         if rec["id"] in finished:
             continue
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = chat_ids(tokenizer, rec["prompt"])
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue

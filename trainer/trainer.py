@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from angelspec_hf.modeling.drafter_utils import additive_mask
+
 from .features import target_states
 from .losses import block_diffusion_loss, mtp_unrolled_loss, sample_anchors
 from .model_card import write_model_card
@@ -152,7 +154,7 @@ class DrafterTrainer(Trainer):
             self.args.num_anchors, block, self._drafter.config.mask_token_id, self.args.seed, step,
         )
         dtype = self._drafter.dtype
-        mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+        mask = additive_mask(keep, dtype)
         hidden = model(
             noise_embeds=embed(block_ids).to(dtype), context_hidden_states=features, position_ids=position_ids,
             attention_mask=mask[:, None], previous_ids=previous,

@@ -40,6 +40,12 @@ def ngram_continuation(ids: torch.LongTensor, max_ngram: int, num_tokens: int) -
     return [], 0
 
 
+def mean_accepted_length(accepted: int, rounds: int) -> float:
+    """τ: tokens gained per target forward over `rounds` verification rounds that accepted `accepted` draft tokens in
+    all, the bonus/correction token of each round included; NaN without rounds."""
+    return (accepted + rounds) / rounds if rounds else float("nan")
+
+
 @dataclass
 class SpeculationStats:
     """What one `generate()` call did, per verification round: how many draft tokens were proposed and accepted, the
@@ -60,7 +66,7 @@ class SpeculationStats:
     @property
     def mean_accepted_length(self) -> float:
         """τ: tokens gained per target forward, the bonus/correction token included."""
-        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else float("nan")
+        return mean_accepted_length(sum(self.accepted), self.rounds)
 
 
 class AngelSpecCandidateGenerator(CandidateGenerator):

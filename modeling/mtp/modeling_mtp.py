@@ -18,7 +18,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from ..drafter_utils import DraftState, DrafterOutput, DrafterPreTrainedModel, causal_additive_mask
+from ..drafter_utils import DraftState, DrafterOutput, DrafterPreTrainedModel, additive_mask, causal_additive_mask
 from .configuration_mtp import MTPConfig
 
 
@@ -132,7 +132,7 @@ class MTPDrafter(DrafterPreTrainedModel):
         hidden, outputs = target_hidden, []
         for j in range(steps):
             allowed = torch.cat([context_keys] + [own_chain] * j, dim=1)  # [L, (j + 1) L]
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            mask = additive_mask(allowed, dtype)
             positions = (index + j).expand(batch, -1)
             hidden = self(hidden, step_embeds[:, j], positions, mask[None, None], cache=cache).last_hidden_state
             outputs.append(hidden)
