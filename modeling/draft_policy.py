@@ -9,7 +9,8 @@ help, and better drafters turn directly into longer rounds.
 * Costs (`RoundCosts`): `step(n) = a + b·n` for a target forward over `n` new tokens with its verification, and
   `draft(k) = c0 + c1·k`. Profiled once per target, drafter, dtype, device and thread count (`profile_round_costs`,
   cached as JSON under `~/.cache/angelspec/cost_models`, like the batched engine's cost model), then refined online
-  from the rounds actually timed.
+  from the rounds actually timed, and the refined costs are written back to the cache every `SAVE_EVERY` timed
+  rounds (a profile taken while the machine was busy heals over later runs instead of lasting forever).
 * Acceptance (`PositionCalibrator`): the probability that draft position `j` is accepted given that the positions
   before it were, as a function of the drafter's confidence there (the peak of its distribution), per position,
   learned from the verification outcomes. The confidence is known before the token at `j` is drawn, and every
@@ -26,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -86,6 +87,7 @@ class RoundCosts:
     step_coef: tuple[float, float]
     draft_coef: tuple[float, float]
     key: str = ""
+    path: Path | None = field(default=None, compare=False)  # the cache file it came from (not serialised)
 
     def to_dict(self) -> dict:
         return {"step_coef": list(self.step_coef), "draft_coef": list(self.draft_coef), "key": self.key}
@@ -137,21 +139,28 @@ def profile_round_costs(target, drafter, context: int = 64, repeats: int = 3) ->
     return RoundCosts((step[0] - b, b), (max(draft[0] - c1, 0.0), c1))
 
 
+def save_round_costs(costs: RoundCosts) -> None:
+    """Write `costs` to `costs.path` atomically (a concurrent reader sees the old file or the new one)."""
+    costs.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = costs.path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(costs.to_dict(), indent=1))
+    tmp.replace(costs.path)
+
+
 def load_or_profile_round_costs(target, drafter, cache_dir=None) -> RoundCosts:
     """The cached round costs for these models on this hardware, profiled (and cached) when absent."""
     key = hardware_key(target, drafter)
     path = Path(cache_dir or default_cache_dir()) / f"hook-{key}.json"
     if path.is_file():
         try:
-            return RoundCosts.from_dict(json.loads(path.read_text()))
+            costs = RoundCosts.from_dict(json.loads(path.read_text()))
+            costs.path = path
+            return costs
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again
     costs = profile_round_costs(target, drafter)
-    costs.key = key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(costs.to_dict(), indent=1))
-    tmp.replace(path)
+    costs.key, costs.path = key, path
+    save_round_costs(costs)
     return costs
 
 
@@ -199,9 +208,12 @@ class PositionCalibrator:
 class DraftLengthPolicy:
     """Per-round draft length for the batch-1 hook (see the module docstring)."""
 
+    SAVE_EVERY = 32  # timed rounds between write-backs of the refined costs to the cache file
+
     def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64):
         self.step = LinearFit(*costs.step_coef, prior_span=max_tokens + 1)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
+        self.costs_key, self.costs_path, self._timed = costs.key, costs.path, 0
         self.calibrator = PositionCalibrator(max_tokens)
         # lookups: acceptance per position by matched n-gram length (as a fraction of the longest), a cautious prior
         self.lookups = PositionCalibrator(max(max_tokens, 16), prior_scale=0.5)
@@ -277,6 +289,15 @@ class DraftLengthPolicy:
         self.lookups.update([confidence] * proposed, accepted)
         if step_seconds is not None:
             self.step.add(1 + proposed, step_seconds)
+            self._timed_round()
+
+    def _timed_round(self) -> None:
+        self._timed += 1
+        if self.costs_path is not None and self._timed % self.SAVE_EVERY == 0:
+            try:
+                save_round_costs(RoundCosts(self.step.coef, self.draft.coef, self.costs_key, self.costs_path))
+            except OSError:
+                pass  # the cache is an optimisation: a read-only one keeps the old profile
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None) -> None:
         if drafted:
@@ -285,3 +306,4 @@ class DraftLengthPolicy:
                 self.draft.add(drafted, draft_seconds)
         if step_seconds is not None:
             self.step.add(1 + drafted, step_seconds)
+            self._timed_round()

@@ -85,6 +85,22 @@ def test_round_costs_are_profiled_once_and_cached(tmp_path):
     assert load_or_profile_round_costs(target, drafter, tmp_path).key == costs.key
 
 
+def test_refined_costs_are_written_back_to_the_cache(tmp_path):
+    """A profile taken while the machine was busy (4x too slow) heals: the policy writes its refined costs back every
+    SAVE_EVERY timed rounds, and the next load reads them."""
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    cached = load_or_profile_round_costs(target, drafter, tmp_path)
+    cached.step_coef, cached.draft_coef = (0.2, 0.016), (0.02, 0.008)  # the busy profile
+    policy = DraftLengthPolicy(cached, 7)
+    for i in range(2 * DraftLengthPolicy.SAVE_EVERY):
+        drafted = 1 + i % 4
+        policy.observe(drafted, 1, 0.005 + 0.002 * drafted, 0.05 + 0.004 * (1 + drafted))
+    healed = load_or_profile_round_costs(target, drafter, tmp_path)
+    assert healed.key == cached.key and healed.step_coef[0] == pytest.approx(0.05, rel=0.2)
+    assert healed.step_coef[1] == pytest.approx(0.004, rel=0.3)
+
+
 class Scripted(DraftLengthPolicy):
     """Plain rounds at fixed round numbers, whole blocks otherwise (timing-independent, for exact comparisons)."""
 
