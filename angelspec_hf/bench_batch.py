@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from angelspec_hf.bench import percentile
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 
@@ -52,11 +53,10 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
     delta = {k: engine.totals[k] - before[k] for k in ("steps", "decode_row_steps", "accepted", "verified", "pruned",
                                                        "speculative_steps")}
     rounds = delta["decode_row_steps"]
-    latencies.sort()
     return {
         "seconds": seconds, "tokens": tokens, "throughput": tokens / seconds,
-        "latency_p50": statistics.median(latencies),
-        "latency_p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+        "latency_p50": percentile(latencies, 50),
+        "latency_p99": percentile(latencies, 99),
         "tau": mean_accepted_length(delta["accepted"], rounds),
         "verified_per_step": delta["verified"] / max(delta["steps"], 1),
         "pruned_per_step": delta["pruned"] / max(delta["steps"], 1),

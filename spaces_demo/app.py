@@ -30,10 +30,10 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 import angelspec_hf  # noqa: E402
-from angelspec_hf.modeling import DRAFTERS  # noqa: E402
 from angelspec_hf.prompts import chat_input_ids  # noqa: E402
 from angelspec_hf.router import DrafterRouter  # noqa: E402
-from angelspec_hf.shipped import SHIPPED_PREFIX, shipped_drafter_path  # noqa: E402
+from angelspec_hf.shipped import (  # noqa: E402
+    SHIPPED_PREFIX, shipped_drafter_path, shipped_or_untrained, untrained_drafter)
 
 FAMILIES = {"dfly": "DFly", "dflash": "DFlash", "mtp": "MTP"}
 MAX_NEW_TOKENS = 256
@@ -144,6 +144,7 @@ class DemoModels:
         self.target, self.tokenizer, self.warmup = target, tokenizer, warmup
         self.drafters, self.trained, self.router = {}, {}, None
         self._untrained = {}  # (family, block size) → untrained drafter built for that block size
+        self.sources = {}  # family → where its drafter came from, or why it is untrained
         self.engines = {}  # (family, verify) → batched engine (the batch tab)
         self.ready, self.error, self.message = threading.Event(), None, "Loading the target model (about 20 s)..."
         self.lock = threading.Lock()
@@ -177,20 +178,18 @@ class DemoModels:
             self.ready.set()
 
     def _load_drafter(self, family):
-        path = drafter_path(family)
-        if path is None:
-            drafter = self._fresh(family, None)
+        why = []
+        local = SPACE_DRAFTERS / f"{SHIPPED_PREFIX}{family}"
+        drafter, trained = shipped_or_untrained(family, self.target, why=why, folder=local)
+        self.sources[family] = why[-1] if why else ""
+        if not trained:
             self._untrained[(family, drafter.num_draft_tokens + 1)] = drafter
-            return drafter, False
-        drafter = angelspec_hf.load_drafter(str(path)).to(self.target.dtype).eval()
-        drafter.check_target(self.target)
-        return drafter, True
+        return drafter, trained
 
-    def _fresh(self, family, block_size):
-        torch.manual_seed(0)  # the same random drafter on every start
+    def _fresh(self, family, block_size):  # the same random drafter on every start
         overrides = {} if block_size is None else \
             {"num_draft_tokens": block_size - 1} if family == "mtp" else {"block_size": block_size}
-        return DRAFTERS[family][1].from_target(self.target, **overrides).eval()
+        return untrained_drafter(family, self.target, **overrides)
 
     def wait(self) -> None:
         self.start().ready.wait()
@@ -204,9 +203,10 @@ class DemoModels:
             return f"**{self.message}**"
         parts = [f"{FAMILIES[f]} block {self.drafters[f].num_draft_tokens + 1} "
                  f"({'trained' if t else '**untrained**: random weights'})" for f, t in self.trained.items()]
+        reasons = " ".join(f"({self.sources[f]}.)" for f, t in self.trained.items() if not t and self.sources.get(f))
         note = "" if all(self.trained.values()) else \
-            " Untrained drafters accept almost nothing, so expect τ ≈ 1 and a slow-down: the output is still " \
-            "identical to the target's, which is the point they show."
+            f" Untrained drafters accept almost nothing, so expect τ ≈ 1 and a slow-down: the output is still " \
+            f"identical to the target's, which is the point they show. {reasons}".rstrip()
         return f"**Ready:** target SmolLM2-135M-Instruct (fp32, CPU); drafters: {'; '.join(parts)}.{note}"
 
     @contextlib.contextmanager

@@ -171,7 +171,7 @@ VOCAB = 7
 def spread_target(vocab_size: int = VOCAB):
     """conftest's tiny target with its LM head scaled ×10: p is spread (about 0.05..0.35 over 7 tokens), so that
     temperature 0.7 moves it clearly (total variation ~0.14 over two tokens) and top-k / top-p cut real mass."""
-    from conftest import tiny_target
+    from helpers import tiny_target
 
     target = tiny_target(vocab_size=vocab_size, seed=4, skew=1.5)
     with torch.no_grad():
@@ -183,7 +183,7 @@ def peaked_drafter(family: str, target, scale: float = -1.5):
     """A random drafter whose final norm weight is scaled: q is sharply peaked (about 0.5..0.9 on one token) on a
     token the target does not favour as much, and the total variation between p and q is ~0.5 (the tests assert it
     through the acceptance rate, which is 1 - TV at the first draft position)."""
-    from conftest import tiny_drafter
+    from helpers import tiny_drafter
 
     extra = {} if family == "mtp" else {"mask_token_id": VOCAB - 1}
     drafter = tiny_drafter(family, target, **extra)

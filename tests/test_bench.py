@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from angelspec_hf.cli import main
-from conftest import tiny_chat_target
+from helpers import tiny_chat_target
 
 
 def test_bench_writes_table_json_and_plots(tmp_path):
@@ -44,7 +44,7 @@ def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
     plain decoding, a markdown table, JSON and a plot."""
     from angelspec_hf.bench_batch import run_concurrency_bench, write_concurrency_outputs
     from angelspec_hf.tgi_patch.dcut import CostModel
-    from conftest import tiny_drafter, tiny_target
+    from helpers import tiny_drafter, tiny_target
 
     target = tiny_target()
     drafters = {"dfly": tiny_drafter("dfly", target), "mtp": tiny_drafter("mtp", target)}
@@ -71,3 +71,12 @@ def test_spec_bench_sets():
     assert all(load_eval_prompts(f"spec_bench:{c}", 1) for c in SPEC_BENCH_CATEGORIES)
     with pytest.raises(ValueError, match="category"):
         load_eval_prompts("spec_bench:poetry")
+
+
+def test_percentile_is_nearest_rank():
+    from angelspec_hf.bench import percentile
+
+    values = list(range(100, 0, -1))  # 1..100, unsorted
+    assert percentile(values, 99) == 99 and percentile(values, 50) == 50 and percentile(values, 100) == 100
+    assert percentile([3.0, 1.0], 99) == 3.0 and percentile([3.0, 1.0], 50) == 1.0 and percentile([7], 1) == 7
+    assert percentile([], 99) is None

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 import angelspec_hf
 from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
 from angelspec_hf.modeling import export_eagle, export_zlab_dflash
-from conftest import tiny_drafter, tiny_target
-from test_drafters import _same_drafts
+from helpers import tiny_drafter, tiny_target
+from helpers import same_drafts
 
 
 def _backbone(config) -> dict:
@@ -73,7 +73,7 @@ def test_zlab_dflash_checkpoint(tmp_path, target, nested):
         assert type(loaded) is DFlashDrafter
         assert loaded.config.block_size == drafter.config.block_size
         assert loaded.config.target_layer_ids == [0, 2, 3] and loaded.config.mask_token_id == drafter.config.mask_token_id
-        assert _same_drafts(drafter, loaded, target)
+        assert same_drafts(drafter, loaded, target)
     # and it then runs inside generate() like a native drafter
     ids = torch.tensor([[5, 9, 11, 4]])
     kw = dict(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
@@ -88,7 +88,7 @@ def test_angelspec_dfly_checkpoint(tmp_path, target):
     loaded = DFlyDrafter.from_pretrained(tmp_path, block_size=drafter.config.block_size)
     assert type(loaded) is DFlyDrafter and loaded.config.num_target_layers == 4
     assert loaded.config.target_layer_ids == [1, 3]
-    assert _same_drafts(drafter, loaded, target)
+    assert same_drafts(drafter, loaded, target)
 
 
 def test_wrong_family_and_unsupported_variants(tmp_path, target):
@@ -119,7 +119,7 @@ def test_export_to_zlab_layout_loads_back(tmp_path, target):
     assert config["dflash_config"] == {"mask_token_id": drafter.config.mask_token_id, "target_layer_ids": [0, 2, 3]}
     assert config["block_size"] == drafter.config.block_size and "auto_map" not in config
     loaded = DFlashDrafter.from_pretrained(tmp_path)
-    assert _same_drafts(drafter, loaded, target)
+    assert same_drafts(drafter, loaded, target)
     with pytest.raises(ValueError, match="only DFlashDrafter"):
         export_zlab_dflash(tiny_drafter("dfly", target), tmp_path / "x")
 
@@ -305,7 +305,7 @@ def test_eagle3_export_loads_back_and_stays_lossless(tmp_path, target, pruned):
         assert loaded.config.draft_vocab_size == drafter.config.draft_vocab_size
         mine, theirs = drafter.state_dict(), loaded.state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-        assert _same_drafts(drafter, loaded, target)
+        assert same_drafts(drafter, loaded, target)
     ids = torch.tensor([[5, 9, 11, 4]])
     kw = dict(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     assert torch.equal(target.generate(ids, **kw), target.generate(ids, **kw, assistant_model=loaded))

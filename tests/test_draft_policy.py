@@ -11,7 +11,7 @@ from angelspec_hf.modeling.draft_policy import (
     RoundCosts,
     load_or_profile_round_costs,
 )
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 
 def test_linear_fit_moves_from_its_prior_to_the_data():

@@ -8,7 +8,7 @@ from stats import ALPHA, exact_distribution, goodness_of_fit, marginal
 import angelspec_hf
 from angelspec_hf.draft_vocab import choose_draft_vocab, coverage
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, generate_batch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 SUBSET = list(range(2, 40))
 

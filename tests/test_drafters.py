@@ -14,25 +14,7 @@ from transformers import AutoConfig, AutoModel, LlamaConfig
 import angelspec_hf
 from angelspec_hf import DFlashConfig, DFlyConfig, DFlyDrafter, MTPConfig
 from angelspec_hf.modeling.configuration_drafter import evenly_spaced_layer_ids
-from conftest import FAMILIES, tiny_drafter
-
-
-def greedy_select(logits, prefix):
-    return logits.float(), logits.argmax(-1), False
-
-
-def propose(drafter, target, state, features, ids, num_tokens=None):
-    return drafter.propose(
-        state, context_hidden_states=features, input_ids=ids,
-        num_tokens=drafter.num_draft_tokens if num_tokens is None else num_tokens,
-        embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings(), select=greedy_select,
-    )
-
-
-def features_for(drafter, length, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    return torch.randn(1, length, width, generator=g), torch.randint(3, 99, (1, length + 1), generator=g)
+from helpers import FAMILIES, features_for, propose, same_drafts, tiny_drafter
 
 
 # ---- configs -------------------------------------------------------------------------------------------------------
@@ -147,13 +129,6 @@ def test_dfly_layer_fusion_gives_each_layer_its_own_context(target):
 
 
 # ---- saving and loading --------------------------------------------------------------------------------------------
-def _same_drafts(a, b, target):
-    features, ids = features_for(a, 8, seed=9)
-    pa = propose(a, target, a.new_draft_state(), features, ids)
-    pb = propose(b, target, b.new_draft_state(), features, ids)
-    return torch.equal(pa[0], pb[0]) and torch.allclose(pa[1], pb[1], atol=1e-6)
-
-
 def test_save_load_round_trip(tmp_path, target, family):
     drafter = tiny_drafter(family, target)
     drafter.save_pretrained(tmp_path)
@@ -165,7 +140,7 @@ def test_save_load_round_trip(tmp_path, target, family):
     for loaded in (type(drafter).from_pretrained(tmp_path), AutoModel.from_pretrained(tmp_path),
                    angelspec_hf.load_drafter(tmp_path)):
         assert type(loaded) is type(drafter)
-        assert _same_drafts(drafter, loaded.eval(), target)
+        assert same_drafts(drafter, loaded.eval(), target)
     assert AutoConfig.from_pretrained(tmp_path).to_dict()["target_layer_ids"] == list(drafter.config.target_layer_ids)
 
 
@@ -214,4 +189,4 @@ def test_hub_id_resolves_from_offline_cache(tmp_path, target, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     loaded = AutoModel.from_pretrained("angelspec/tiny-dfly", cache_dir=tmp_path / "hub")
-    assert _same_drafts(drafter, loaded.eval(), target)
+    assert same_drafts(drafter, loaded.eval(), target)

@@ -15,7 +15,7 @@ import torch
 from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 from angelspec_hf.tgi_patch.paged import PagedKVPool
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 FAMILIES = ["mtp", "mtp_eagle3", "dflash", "dfly"]
 # prompts on which the tiny random drafters of every family get drafts accepted, several tokens at a time (one longer

@@ -12,7 +12,7 @@ import torch
 from angelspec_hf.tgi_patch import reference
 from angelspec_hf.tgi_patch.dcut import AcceptanceCalibrator, CostModel, load_or_profile
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, StepTrace, generate_batch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 from stats import (PROMPT, ImpossibleSample, assert_power, correction_from_p, exact_distribution, peaked_drafter,
                    report, sequence_fit, single_thread, spread_target)
 

@@ -8,7 +8,7 @@ from transformers import TextStreamer
 from transformers.generation import GenerationMixin
 
 from angelspec_hf import DFlashDrafter
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 
 def _greedy(model, ids, **kwargs):

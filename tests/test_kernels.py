@@ -73,7 +73,7 @@ def test_engine_gives_the_same_tokens_through_the_kernels(monkeypatch):
     """The engine dispatching to the kernels (forced here; automatic on CUDA) generates exactly what it generates
     with the torch references: greedy and seeded sampling, D-Cut budget and full blocks."""
     from angelspec_hf.tgi_patch.engine import generate_batch
-    from conftest import tiny_drafter, tiny_target
+    from helpers import tiny_drafter, tiny_target
 
     target = tiny_target()
     drafter = tiny_drafter("dfly", target)

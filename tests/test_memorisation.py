@@ -17,7 +17,7 @@ from angelspec_hf.trainer.dataset import DrafterCollator, load_regenerated
 from angelspec_hf.trainer.evaluation import whole_blocks
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.trainer import DrafterTrainer
-from conftest import tiny_chat_target, tiny_drafter
+from helpers import tiny_chat_target, tiny_drafter
 
 NEW_TOKENS = 20
 

@@ -25,8 +25,9 @@ from angelspec_hf.shipped import (
     install_shipped,
     shipped_or_untrained,
     shipped_repo_id,
+    untrained_drafter,
 )
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 REPO = shipped_repo_id("dfly")
 
@@ -151,6 +152,28 @@ def test_a_drafter_for_another_target_falls_back_with_the_mismatch(tmp_path, cac
     _, trained = shipped_or_untrained("dfly", target, why=why)
     assert not trained and why[0].startswith(f"the shipped dfly drafter ({REPO} from the HF cache")
     assert "does not fit this target" in why[0] and "101" in why[0]
+
+
+def test_a_named_folder_comes_first_and_a_wrong_one_falls_back_with_its_reason(checkout, tmp_path, cache, target):
+    # the Space's own copy of a drafter: used in place of the shipped one, and its mismatch reported like theirs
+    mine = tmp_path / "space" / "dfly"
+    tiny_drafter("dfly", target, seed=7).save_pretrained(mine)
+    why = []
+    drafter, trained = shipped_or_untrained("dfly", target, why=why, folder=mine)
+    assert trained and why == [f"the shipped dfly drafter from {mine}"]
+    assert torch.equal(drafter.fc.weight, tiny_drafter("dfly", target, seed=7).fc.weight)
+    wrong = tmp_path / "space" / "wrong"
+    tiny_drafter("dfly", tiny_target(vocab_size=101)).save_pretrained(wrong)
+    why = []
+    drafter, trained = shipped_or_untrained("dfly", target, why=why, folder=wrong)
+    assert not trained and f"({'from ' + str(wrong)}) does not fit this target" in why[0]
+    # an untrained fallback is the same drafter every time, and leaves the caller's random stream alone
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    again = untrained_drafter("dfly", target)
+    assert torch.equal(torch.rand(4), expected)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), again.state_dict().values()))
 
 
 def test_install_refuses_a_folder_without_the_drafters(tmp_path, cache, capsys):

@@ -12,7 +12,7 @@ from angelspec_hf.tgi_patch import engine as engine_module
 from angelspec_hf.tgi_patch.dcut import CostModel
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 from angelspec_hf.tgi_patch.penalties import apply_penalties
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 from stats import (PROMPT, ImpossibleSample, assert_power, peaked_drafter, processed_logprobs, report, sequence_fit,
                    single_thread, spread_target)
 

@@ -32,6 +32,33 @@ def test_default_target_is_the_embedded_smollm2(real):
     assert "def " in text
 
 
+def test_the_cached_embedded_target_is_the_gguf(tmp_path, monkeypatch):
+    """The first load converts the GGUF and keeps an HF folder; loads from it give the same weights, config,
+    generation config and tokenizer (ids, specials, chat template) as the GGUF did."""
+    from angelspec_hf.targets import converted_target_dir, default_target_path, load_default_tokenizer
+
+    monkeypatch.setenv("ANGELSPEC_CACHE", str(tmp_path))
+    folder = converted_target_dir(default_target_path())
+    assert not folder.exists()
+    gguf_model, gguf_tok = angelspec_hf.load_default_target()  # from the GGUF: writes the folder
+    assert (folder / "model.safetensors").is_file() and not list(folder.parent.glob("*.tmp-*"))
+    model, tok = angelspec_hf.load_default_target()
+    a, b = gguf_model.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    skip = {"_name_or_path", "transformers_version", "quantization_config"}  # the GGUF quantizer's mark
+    assert {k: v for k, v in gguf_model.config.to_dict().items() if k not in skip} == \
+        {k: v for k, v in model.config.to_dict().items() if k not in skip}
+    assert gguf_model.generation_config.to_diff_dict() == model.generation_config.to_diff_dict()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):\n    return x  # é, 日本"}]
+    for tokenizer in (tok, load_default_tokenizer()):
+        assert len(tokenizer) == len(gguf_tok) and tokenizer.all_special_ids == gguf_tok.all_special_ids
+        assert tokenizer.chat_template == gguf_tok.chat_template
+        for text in ["Hello world", "  x = [1, 2]\n\tprint(x)", "<|im_start|>user\nhi<|im_end|>", "日本語 é"]:
+            assert tokenizer(text).input_ids == gguf_tok(text).input_ids
+        assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == \
+            gguf_tok.apply_chat_template(chat, add_generation_prompt=True)
+
+
 @pytest.mark.parametrize("cls", [MTPDrafter, DFlashDrafter, DFlyDrafter])
 def test_greedy_identity_on_real_prompts(real, cls):
     target, _, inputs, plain = real

@@ -6,7 +6,7 @@ import pytest
 
 from angelspec_hf.trainer.data import TRAIN_SETS, load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
-from conftest import tiny_chat_target
+from helpers import tiny_chat_target
 
 
 @pytest.mark.parametrize("name", sorted(TRAIN_SETS))

@@ -3,7 +3,7 @@
 import torch
 
 from angelspec_hf.router import DrafterRouter, classify_domain
-from conftest import tiny_chat_target, tiny_drafter
+from helpers import tiny_chat_target, tiny_drafter
 
 
 def test_classify_domain():

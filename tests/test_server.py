@@ -2,7 +2,6 @@
 shutdown, against a live uvicorn server running the real batched engine on the embedded SmolLM2-135M-Instruct target
 (an untrained DFly drafter: correctness, not speed). The real clients are in `test_server_clients.py`."""
 
-import functools
 import importlib.util
 import json
 import os
@@ -17,43 +16,14 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
-import angelspec_hf
-from angelspec_hf import DFlyDrafter
 
 pytest.importorskip("fastapi")
-from angelspec_hf.tgi_patch.dcut import CostModel  # noqa: E402
-from angelspec_hf.tgi_patch.engine import SpeculativeEngine  # noqa: E402
-from angelspec_hf.tgi_patch.server import create_app, running_in_thread  # noqa: E402
+from angelspec_hf.tgi_patch.server import running_in_thread  # noqa: E402
+from helpers import MODEL_ID, make_app, real_target, reference  # noqa: E402
 
 pytestmark = pytest.mark.real_model
-MODEL_ID = "SmolLM2-135M-Instruct"
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:"]
-# A fixed cost model (seconds per step, roughly this CPU) instead of profiling one at start-up: D-Cut still chooses.
-COST_MODEL = CostModel(verify_coef=(0.06, 0.002, 0.004), draft_coef=(0.02, 0.003))
-
-
-@functools.lru_cache(maxsize=None)
-def real_target():
-    """The embedded target and tokenizer, loaded once per test session (the client tests share it)."""
-    torch.set_num_threads(1)
-    return angelspec_hf.load_default_target()
-
-
-def reference(input_ids, max_new_tokens):
-    """The target's own greedy tokens: what the server must return, token for token."""
-    target, _ = real_target()
-    out = target.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(input_ids):].tolist()
-
-
-def make_app(drafter=True, **kwargs):
-    target, tokenizer = real_target()
-    draft_model = DFlyDrafter.from_target(target).eval() if drafter else None
-    engine = SpeculativeEngine(target, draft_model, verify="auto", cost_model=COST_MODEL, max_batch_size=8)
-    limits = dict(max_input_tokens=128, max_total_tokens=384, max_concurrent_requests=6) | kwargs
-    return create_app(engine, tokenizer, MODEL_ID, **limits), engine
 
 
 @pytest.fixture(scope="module")

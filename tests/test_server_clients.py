@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 text_generation = pytest.importorskip("text_generation")
 openai = pytest.importorskip("openai")
 from huggingface_hub import InferenceClient  # noqa: E402
-from test_server import make_app, real_target, reference  # noqa: E402  (shares the session's loaded target)
+from helpers import make_app, real_target, reference  # noqa: E402  (shares the session's loaded target)
 
 from angelspec_hf.tgi_patch.server import running_in_thread  # noqa: E402
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import tiny_chat_target
+from helpers import tiny_chat_target
 
 pytest.importorskip("fastapi")
 from angelspec_hf.tgi_patch.engine import SpeculativeEngine  # noqa: E402

@@ -16,7 +16,7 @@ from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.run import main as train_main
 from angelspec_hf.trainer.run import parse_config_overrides
-from conftest import tiny_chat_target
+from helpers import tiny_chat_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,7 +184,7 @@ def test_short_real_run_on_embedded_target(tmp_path):
     out = tmp_path / "real"
     data = os.path.join(REPO, "data", "regenerated", "smollm2-135m-instruct")
     train_main(["--regenerated_dir", data, "--train_sets", "gsm8k", "--output_dir", str(out), "--drafter_type",
-                "dfly", "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "256",
+                "dfly", "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "256", "--max_train_samples", "8",
                 "--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--logging_steps", "1"])
     drafter = angelspec_hf.load_drafter(out)
     target, tokenizer = angelspec_hf.load_default_target()

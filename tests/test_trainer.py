@@ -12,7 +12,7 @@ from angelspec_hf.trainer.dataset import DrafterCollator, load_regenerated
 from angelspec_hf.trainer.features import target_features
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.trainer import DrafterTrainer, pack_blocks
-from conftest import tiny_chat_target
+from helpers import tiny_chat_target
 
 CLASSES = {"mtp": (MTPDrafter, {"num_draft_tokens": 3}), "dflash": (DFlashDrafter, {"block_size": 4}),
            "dfly": (DFlyDrafter, {"block_size": 4}),

@@ -1,0 +1,124 @@
+"""Helpers shared by the tests: tiny odd-sized random targets and drafters of every family (fast equivalence tests),
+the embedded target loaded once per session, and a live TGI-compatible app on it. Statistical helpers are in
+`stats.py`; fixtures in `conftest.py`."""
+
+import functools
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import angelspec_hf  # noqa: F401  (registers the Auto classes)
+from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
+
+FAMILIES = {
+    "mtp": (MTPDrafter, {"num_draft_tokens": 3}),
+    "mtp_eagle3": (MTPDrafter, {"num_draft_tokens": 3, "layout": "eagle3"}),  # EAGLE-3's architecture (vLLM, SGLang)
+    "dflash": (DFlashDrafter, {"block_size": 4}),
+    "dfly": (DFlyDrafter, {"block_size": 5}),
+}
+
+
+def tiny_target(vocab_size=99, seed=0, attn_implementation="eager", skew=6.0):
+    """A random 4-layer Llama. `skew` scales three LM-head rows so that target and (random) drafters often agree,
+    which makes drafts get accepted and exercises the acceptance path."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation=attn_implementation,
+    )
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight[3:6] *= skew
+    return target
+
+
+def tiny_chat_target(seed=0, favour=8.0):
+    """A tiny random Llama with the embedded target's real tokenizer (vocabulary 49,152 and chat template), for
+    training tests; a few favoured tokens (LM-head rows scaled by `favour`) make its replies learnable in a few dozen
+    steps; `favour=1` leaves it unskewed (varied replies)."""
+
+    from angelspec_hf.targets import load_default_tokenizer
+
+    tokenizer = load_default_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight[3:6] *= favour
+    return target, tokenizer
+
+
+def tiny_drafter(family, target, seed=1, **overrides):
+    """A random drafter of `family` for `target`. It drafts whole blocks (`draft_length="full"`) unless told
+    otherwise, so tests exercise drafting and verification every round whatever the timing of this machine."""
+    cls, defaults = FAMILIES[family]
+    torch.manual_seed(seed)
+    drafter = cls.from_target(target, **(defaults | {"draft_length": "full"} | overrides)).eval()
+    if family == "dfly":  # a trained-looking AR head (it starts at zero, which would make it a no-op)
+        with torch.no_grad():
+            drafter.ar_head.down_proj.weight.normal_(std=0.2)
+            drafter.layer_fusion_weights.normal_()
+    return drafter
+
+
+def greedy_select(logits, prefix):
+    return logits.float(), logits.argmax(-1), False
+
+
+def features_for(drafter, length, seed=0):
+    """Random target features `[1, length, layers · hidden]` for `drafter` and `length + 1` token ids below 99."""
+    g = torch.Generator().manual_seed(seed)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    return torch.randn(1, length, width, generator=g), torch.randint(3, 99, (1, length + 1), generator=g)
+
+
+def propose(drafter, target, state, features, ids, num_tokens=None):
+    return drafter.propose(
+        state, context_hidden_states=features, input_ids=ids,
+        num_tokens=drafter.num_draft_tokens if num_tokens is None else num_tokens,
+        embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings(), select=greedy_select,
+    )
+
+
+def same_drafts(a, b, target):
+    """Whether drafters `a` and `b` draft the same tokens with the same scores from the same features."""
+    features, ids = features_for(a, 8, seed=9)
+    pa = propose(a, target, a.new_draft_state(), features, ids)
+    pb = propose(b, target, b.new_draft_state(), features, ids)
+    return torch.equal(pa[0], pb[0]) and torch.allclose(pa[1], pb[1], atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def real_target():
+    """The embedded target and tokenizer, loaded once per test session (the server and client tests share it)."""
+    torch.set_num_threads(1)
+    return angelspec_hf.load_default_target()
+
+
+def reference(input_ids, max_new_tokens):
+    """The real target's own greedy tokens: what the server must return, token for token."""
+    target, _ = real_target()
+    out = target.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(input_ids):].tolist()
+
+
+MODEL_ID = "SmolLM2-135M-Instruct"
+# A fixed cost model (seconds per step, roughly this CPU) instead of profiling one at start-up: D-Cut still chooses.
+SERVER_COST = dict(verify_coef=(0.06, 0.002, 0.004), draft_coef=(0.02, 0.003))
+
+
+def make_app(drafter=True, **kwargs):
+    """The TGI-compatible app on the real target with the batched engine (an untrained DFly drafter: correctness,
+    not speed) and a fixed cost model; returns `(app, engine)`."""
+    from angelspec_hf.tgi_patch.dcut import CostModel
+    from angelspec_hf.tgi_patch.engine import SpeculativeEngine
+    from angelspec_hf.tgi_patch.server import create_app
+
+    target, tokenizer = real_target()
+    draft_model = DFlyDrafter.from_target(target).eval() if drafter else None
+    engine = SpeculativeEngine(target, draft_model, verify="auto", cost_model=CostModel(**SERVER_COST),
+                               max_batch_size=8)
+    limits = dict(max_input_tokens=128, max_total_tokens=384, max_concurrent_requests=6) | kwargs
+    return create_app(engine, tokenizer, MODEL_ID, **limits), engine
