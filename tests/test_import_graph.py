@@ -105,14 +105,24 @@ def test_no_import_cycle_in_the_package():
 
 
 def test_docstrings_name_files_that_exist():
-    """A file a `tgi_patch` docstring names (`scheduler.py`) exists in the package: a renamed module leaves no
-    stale pointer (as `reference.py` once sent readers to `kernels.py` for the Triton versions)."""
+    """A file a `tgi_patch` docstring names (`scheduler.py`, `kernels/reference.py`) exists in the package (or, with a
+    folder, in the repository): a renamed module leaves no stale pointer (as `reference.py` once sent readers to
+    `kernels.py` for the Triton versions)."""
     folder = ROOT / "tgi_patch"
-    names = {p.name for p in folder.rglob("*.py")}
+    files = [p.relative_to(ROOT).as_posix() for p in folder.rglob("*.py")]
     stale = {}
     for path in folder.rglob("*.py"):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        missing = sorted(set(re.findall(r"`(?:[\w/]+/)?(\w+\.py)`", doc)) - names)
+        named = set(re.findall(r"`((?:[\w/]+/)?\w+\.py)`", doc))
+        missing = sorted(n for n in named if not any(f.endswith("/" + n) for f in files) and not (ROOT / n).is_file())
         if missing:
             stale[str(path.relative_to(ROOT))] = missing
     assert not stale, f"docstrings name files that do not exist: {stale}"
+
+
+def test_kernels_and_references_point_at_each_other():
+    """The torch reference says where its Triton version is, and the kernel module says where its reference is."""
+    folder = ROOT / "tgi_patch" / "engine" / "kernels"
+    reference, kernels = (ast.get_docstring(ast.parse((folder / name).read_text())) or ""
+                          for name in ("reference.py", "triton_kernels.py"))
+    assert "`triton_kernels.py`" in reference and "`reference.py`" in kernels

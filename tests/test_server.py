@@ -23,7 +23,7 @@ import angelspec_hf
 from angelspec_hf import DFlyDrafter
 
 pytest.importorskip("fastapi")
-from angelspec_hf.tgi_patch.dcut import CostModel  # noqa: E402
+from angelspec_hf.tgi_patch.engine.dcut import CostModel  # noqa: E402
 from angelspec_hf.tgi_patch.engine import SpeculativeEngine  # noqa: E402
 from angelspec_hf.tgi_patch.server import create_app, running_in_thread  # noqa: E402
 
