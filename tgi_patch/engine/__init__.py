@@ -16,8 +16,9 @@
 - `kernels/`: D-Cut selection and verification, the torch `reference.py` beside `triton_kernels.py`; the dispatch
   in `kernels/__init__.py`.
 
-Imports only go down this list's dependencies (core → scheduler, model_runner, dcut, verification → kernels,
-sampling), never back up: `tests/test_import_graph.py` checks there is no cycle.
+Imports only go one way: core → scheduler, model_runner, dcut, verification; scheduler → request → sampling;
+model_runner → drafting → paged; dcut, verification → kernels → sampling. `tests/test_import_graph.py` checks that
+no import cycle appears anywhere in the package.
 """
 
 from .core import SpeculativeEngine, generate_batch

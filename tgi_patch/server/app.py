@@ -19,7 +19,7 @@ from . import protocol
 from .errors import ServingError
 from .metrics import ServingMetrics
 from .protocol import ChatRequest, CompletionRequest, GenerateRequest, TokenizeRequest
-from .serving import Job, TGIServer, _version
+from .serving import Job, TGIServer, server_version
 from .text import check_text
 
 ROUTES = ("/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
@@ -96,9 +96,9 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
 
     The limits are TGI's (`/info` reports them), plus `max_stop_length` (characters per stop string) and
     `max_payload_bytes` (request body; TGI's `--payload-limit`); `max_client_batch_size` prompts per `/v1/completions`
-    request. The engine's worker thread starts and stops with the
-    app's lifespan (uvicorn runs it); on shutdown, open streams get `graceful_shutdown_s` to finish, then are cut, and
-    whatever the engine still runs ends as `incomplete_generation`."""
+    request. The engine's worker thread starts and stops with the app's lifespan (uvicorn runs it); on shutdown, open
+    streams get `graceful_shutdown_s` to finish, then are cut, and whatever the engine still runs ends as
+    `incomplete_generation`."""
     server = TGIServer(engine, tokenizer, model_id, max_input_tokens=max_input_tokens,
                        max_total_tokens=max_total_tokens, max_concurrent_requests=max_concurrent_requests,
                        max_stop_sequences=max_stop_sequences, max_stop_length=max_stop_length,
@@ -111,34 +111,49 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
         yield
         await asyncio.to_thread(server.worker.shutdown, graceful_shutdown_s)
 
-    app = FastAPI(title="angelspec-hf", version=_version(), lifespan=lifespan,
+    app = FastAPI(title="angelspec-hf", version=server_version(), lifespan=lifespan,
                   description="TGI's protocol on a batched speculative engine; every error is TGI's "
                               "`{error, error_type}`.")
     app.state.server = server
     app.add_middleware(_PayloadLimitMiddleware, limit=max_payload_bytes)
     app.add_middleware(_MetricsMiddleware, metrics=server.metrics)
 
-    def error(message: str, error_type: str, status: int, headers=None) -> JSONResponse:
-        return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=headers)
+    _add_error_handlers(app)
+    _add_generation_routes(app, server)
+    _add_service_routes(app, server, tokenizer, model_id)
+    _document_limits(app, max_stop_sequences, max_stop_length, max_client_batch_size)
+    return app
+
+
+def _error(message: str, error_type: str, status: int, headers=None) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error TGI-shaped: `{"error", "error_type"}` with its status."""
 
     @app.exception_handler(RequestValidationError)
     async def on_bad_body(request, exc):
-        return error(_validation_message(exc), "validation", 422)
+        return _error(_validation_message(exc), "validation", 422)
 
     @app.exception_handler(ServingError)
     async def on_serving_error(request, exc):
-        return error(str(exc), exc.error_type, exc.status)
+        return _error(str(exc), exc.error_type, exc.status)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request, exc):  # no such route or method, a body FastAPI could not parse, 413
         message = exc.detail
         if exc.status_code == 400 and exc.__cause__ is not None:  # invalid UTF-8, JSON nested too deep
             message = f"Input validation error: the body is not valid JSON: {exc.__cause__}"
-        return error(message, _HTTP_ERROR_TYPES.get(exc.status_code, "http"), exc.status_code, exc.headers)
+        return _error(message, _HTTP_ERROR_TYPES.get(exc.status_code, "http"), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(request, exc):  # a bug: still TGI-shaped (starlette logs the traceback)
-        return error(f"Internal server error: {type(exc).__name__}", "internal", 500)
+        return _error(f"Internal server error: {type(exc).__name__}", "internal", 500)
+
+
+def _add_generation_routes(app: FastAPI, server: TGIServer) -> None:
+    """`/generate`, `/generate_stream`, `/` (TGI) and `/v1/chat/completions`, `/v1/completions` (OpenAI)."""
 
     async def generate_job(body: GenerateRequest) -> Job:
         return await server.off_loop(server.generate_job, body)
@@ -175,6 +190,10 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
             return await server.stream(jobs, server.completion_events(body, jobs))
         return server.completion_response(await server.complete_all(jobs, request))
 
+
+def _add_service_routes(app: FastAPI, server: TGIServer, tokenizer, model_id: str) -> None:
+    """`/tokenize`, `/info`, `/v1/models`, `/health`, `/metrics`."""
+
     def tokens(body: TokenizeRequest) -> list[dict]:
         enc = tokenizer(check_text(body.inputs, "inputs"), add_special_tokens=body.add_special_tokens,
                         return_offsets_mapping=True)
@@ -198,7 +217,7 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
     async def health():
         if server.worker.alive:
             return Response(status_code=200)
-        return error(f"the engine worker is not running: {server.worker.failure}", "healthcheck", 503)
+        return _error(f"the engine worker is not running: {server.worker.failure}", "healthcheck", 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=protocol.METRICS_DOC)
     async def metrics():
@@ -206,7 +225,9 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
 
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    # this server's own limits in the schema
+
+def _document_limits(app: FastAPI, max_stop_sequences: int, max_stop_length: int, max_client_batch_size: int) -> None:
+    """This server's own limits in the OpenAPI schema."""
     schemas = app.openapi()["components"]["schemas"]
     stop = protocol.stop_schema(max_stop_sequences, max_stop_length)
     schemas["GenerateParameters"]["properties"]["stop"].update(stop)
@@ -214,7 +235,6 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
         schemas[name]["properties"]["stop"]["anyOf"] = [stop["items"], stop, {"type": "null"}]
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     next(p for p in prompt if p.get("type") == "array").update(minItems=1, maxItems=max_client_batch_size)
-    return app
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",

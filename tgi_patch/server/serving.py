@@ -335,7 +335,7 @@ class TGIServer:
 
     def _chat_base(self, object_name: str, id_prefix: str = "chatcmpl") -> dict:
         return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()),
-                "model": self.model_id, "system_fingerprint": f"angelspec-hf-{_version()}"}
+                "model": self.model_id, "system_fingerprint": f"angelspec-hf-{server_version()}"}
 
     @staticmethod
     def _usage(*jobs: Job) -> dict:
@@ -423,11 +423,11 @@ class TGIServer:
                 "max_input_tokens": self.max_input_tokens,
                 "max_total_tokens": self.max_total_tokens, "validation_workers": 1,
                 "max_client_batch_size": self.max_client_batch_size,
-                "router": "angelspec-hf", "version": _version(), "sha": None, "docker_label": None,
+                "router": "angelspec-hf", "version": server_version(), "sha": None, "docker_label": None,
                 **self.info_extra}
 
 
-def _version() -> str:
+def server_version() -> str:
     from angelspec_hf import __version__
 
     return __version__
