@@ -207,7 +207,7 @@ def single_thread():
 def correction_from_p(verify):
     """Wrap a `verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample)` (reference or Triton) into the
     wrong rule that draws the correction after a rejection from p instead of norm(max(p - q, 0))."""
-    from angelspec_hf.tgi_patch.sampling import sample_from
+    from angelspec_hf.tgi_patch.engine.sampling import sample_from
 
     def wrong(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
         num_accepted, token = verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample)

@@ -14,7 +14,7 @@ import torch
 
 from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
-from angelspec_hf.tgi_patch.paged import PagedKVPool
+from angelspec_hf.tgi_patch.engine.paged import PagedKVPool
 from helpers import tiny_drafter, tiny_target
 
 FAMILIES = ["mtp", "mtp_eagle3", "dflash", "dfly"]

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from angelspec_hf.tgi_patch import reference
-from angelspec_hf.tgi_patch.dcut import AcceptanceCalibrator, CostModel, load_or_profile
+from angelspec_hf.tgi_patch.engine.kernels import reference
+from angelspec_hf.tgi_patch.engine.dcut import AcceptanceCalibrator, CostModel, load_or_profile
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, StepTrace, generate_batch
 from helpers import tiny_drafter, tiny_target
 from stats import (PROMPT, ImpossibleSample, assert_power, correction_from_p, exact_distribution, peaked_drafter,
@@ -140,11 +140,11 @@ def test_cost_model_is_profiled_once_and_cached(targets, tmp_path):
     target, _ = targets
     drafter = tiny_drafter("dflash", target)
     engine = SpeculativeEngine(target, drafter, verify=0, max_batch_size=4)
-    model = load_or_profile(engine, tmp_path, time_limit=5.0)
+    model = load_or_profile(engine.runner, tmp_path, time_limit=5.0)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"] == model.key
     assert {s["rows"] for s in model.samples} == {1, 2, 4} and model.verify(4, 8) > 0 and model.draft(4) > 0
-    assert load_or_profile(engine, tmp_path).to_dict() == model.to_dict()  # second call reads the file
+    assert load_or_profile(engine.runner, tmp_path).to_dict() == model.to_dict()  # second call reads the file
     auto = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=4, cost_model_cache=tmp_path)
     assert auto.cost_model.to_dict() == model.to_dict()
 

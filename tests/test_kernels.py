@@ -4,9 +4,9 @@ interpreter (`TRITON_INTERPRET=1`, set in conftest.py before anything imports tr
 import pytest
 import torch
 
-from angelspec_hf.tgi_patch import reference
-from angelspec_hf.tgi_patch import triton_kernels as tk  # (needs the `kernels` extra: triton)
-from angelspec_hf.tgi_patch.sampling import process_logits, sample_from
+from angelspec_hf.tgi_patch.engine.kernels import reference
+from angelspec_hf.tgi_patch.engine.kernels import triton_kernels as tk  # (needs the `kernels` extra: triton)
+from angelspec_hf.tgi_patch.engine.sampling import process_logits, sample_from
 from stats import (ImpossibleSample, assert_power, correction_from_p, goodness_of_fit, processed_logprobs, report,
                    total_variation)
 
@@ -188,3 +188,22 @@ def test_triton_verify_keeps_the_target_distribution_with_power():
              "temperature ignored": _fit(_single_position_inputs(rows, temperature=1.0, seed=1), triton_verify)}
     report(f"triton verify, {rows} rows, T=0.7", right, **wrong)
     assert_power(right, wrong)
+
+
+def test_verify_sampled_rows_without_draft_probs_match_reference():
+    """No draft probabilities (`draft_probs=None`) with sampled rows in the batch: the kernel accepts by the same rule
+    as the reference (draft == the target's argmax) and samples the next token from p, never reading a q it lacks."""
+    g = torch.Generator().manual_seed(5)
+    batch, k, vocab = 5, 3, 40
+    logits = torch.randn(batch, k + 1, vocab, generator=g) * 3
+    greedy = torch.tensor([True, False, False, False, True])
+    scores = torch.where(greedy[:, None, None], logits, torch.softmax(logits, -1))
+    draft = logits[:, :k].argmax(-1)
+    draft[2, 1] = (draft[2, 1] + 1) % vocab  # a sampled row whose second draft is not the argmax
+    depth = torch.tensor([3, 3, 3, 1, 2])
+    args = [t.to(DEVICE) for t in (scores, draft)] + [None] + [
+        t.to(DEVICE) for t in (depth, greedy, torch.rand(batch, k, generator=g), torch.rand(batch, k + 1, generator=g))]
+    n_acc, token = tk.verify(*args)
+    ref_n, ref_token = reference.verify(*args)
+    assert ref_n.tolist() == [3, 3, 1, 1, 2]
+    assert n_acc.tolist() == ref_n.tolist() and token.tolist() == ref_token.tolist()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from angelspec_hf.tgi_patch import engine as engine_module
-from angelspec_hf.tgi_patch.dcut import CostModel
+from angelspec_hf.tgi_patch.engine import verification as engine_module
+from angelspec_hf.tgi_patch.engine.dcut import CostModel
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
-from angelspec_hf.tgi_patch.penalties import apply_penalties
+from angelspec_hf.tgi_patch.engine.sampling import apply_penalties
 from helpers import tiny_drafter, tiny_target
 from stats import (PROMPT, ImpossibleSample, assert_power, peaked_drafter, processed_logprobs, report, sequence_fit,
                    single_thread, spread_target)

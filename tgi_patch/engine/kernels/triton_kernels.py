@@ -1,5 +1,5 @@
 """Triton kernels for the engine's two hot steps; `reference.py` holds the torch versions (same signatures and
-outputs) that run on CPU and define what these compute. Dispatch is in `kernels.py`.
+outputs) that run on CPU and define what these compute. Dispatch is in `kernels/__init__.py`.
 
 * `dcut_select`: one program for the whole ragged batch — survival products along each block, a global sort of
   (survival, position) keys, expected-gain prefix sums, the budget that maximises gain per unit of predicted cost, and
@@ -139,12 +139,15 @@ def _verify_kernel(scores_ptr, draft_ptr, q_ptr, depth_ptr, greedy_ptr, ua_ptr, 
     going = 1
     for j in range(0, depth):
         d = tl.load(draft_ptr + b * K + j)
-        if greedy:
+        if HAS_Q:
+            if greedy:
+                ok = _row_argmax(row0 + j * V, V, BLOCK_V) == d
+            else:
+                p_d = tl.load(row0 + j * V + d).to(tl.float32)
+                q_d = tl.load(q_ptr + (b * K + j) * V + d).to(tl.float32)
+                ok = tl.load(ua_ptr + b * K + j) * q_d < p_d
+        else:  # no draft probabilities: every row accepts by the greedy rule, as the reference does
             ok = _row_argmax(row0 + j * V, V, BLOCK_V) == d
-        else:
-            p_d = tl.load(row0 + j * V + d).to(tl.float32)
-            q_d = tl.load(q_ptr + (b * K + j) * V + d).to(tl.float32)
-            ok = tl.load(ua_ptr + b * K + j) * q_d < p_d
         going = tl.where(ok & (going == 1), 1, 0)
         n_acc += going
     if greedy:

@@ -1,5 +1,6 @@
-"""Dispatch for the engine's hot steps: Triton kernels on CUDA (`triton_kernels.py`), the torch reference
-(`reference.py`) everywhere else. Same signatures, same outputs."""
+"""The engine's two hot steps, D-Cut selection and verification: Triton kernels on CUDA (`triton_kernels.py`), the
+torch reference (`reference.py`) everywhere else, side by side in this folder. Same signatures, same outputs; this
+module only dispatches (and never imports triton until a kernel is wanted)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""`angelspec serve`: a TGI-protocol HTTP server on the batched speculative engine.
-
-Routes and shapes follow text-generation-inference, so its clients (`text_generation.Client`,
-`huggingface_hub.InferenceClient`, the `openai` client against `/v1`) work unchanged: `POST /` (compat: a JSON list, or
-SSE with `"stream": true`), `/generate`, `/generate_stream`, `/v1/chat/completions`, `/v1/completions` (up to
-`max_client_batch_size` prompts), `/tokenize`, `GET /info`, `/health`, `/metrics`, `/v1/models`; `/openapi.json` documents them (`protocol.py`). Every error, whatever the input,
-is `{"error", "error_type"}`: 400 unparseable body, 404/405 no such route/method, 413 body over the payload limit,
-422 validation, 424 generation, 429 overloaded, 500 incomplete_generation.
-
-One request cannot hurt the others: its work is bounded (payload size, prompt tokens, stop strings: count and length,
-matched in time linear in the generated text), tokenization and chat templates run off the event loop, and a client
-that goes away (streaming or not) has its request cancelled in the engine and its slot freed.
+"""Validation and generation behind the routes of `angelspec serve` (`TGIServer`, one per app): TGI's parameter
+rules and messages, request bodies turned into engine jobs, tokens streamed from the worker into TGI's and OpenAI's
+response shapes (JSON or SSE), and a client that goes away has its request cancelled in the engine.
 
 Sampling follows TGI: temperature / top-k / top-p, and `repetition_penalty`, `frequency_penalty`, `presence_penalty`
-(applied by the engine to the target's distribution at every verified position, `penalties.py`); `top_n_tokens`
+(applied by the engine to the target's distribution at every verified position, `engine/sampling.py`); `top_n_tokens`
 (chat: `top_logprobs`) reports the most likely tokens at each position.
-
-The engine generates token ids; this module owns everything textual: TGI's incremental detokenisation, stop strings
-(matched on the decoded text; the request is then cancelled in the engine), chat templates. `create_app(engine,
-tokenizer, model_id)` builds the app around any engine with the `SpeculativeEngine` interface.
 """
 
 from __future__ import annotations
@@ -29,139 +16,23 @@ import math
 import random
 import time
 import uuid
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from angelspec_hf.tgi_patch.worker import (
-    EngineWorker,
-    IncompleteGenerationError,
-    RequestHandle,
-    ServingError,
-    ServingMetrics,
-    ValidationError,
-)
+import anyio
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 
-try:
-    import anyio
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response
-    from sse_starlette import EventSourceResponse
-    from starlette.background import BackgroundTask
-    from starlette.exceptions import HTTPException
+from . import protocol
+from .errors import ClientDisconnected, IncompleteGenerationError, ServingError, ValidationError
+from .metrics import ServingMetrics
+from .protocol import ChatRequest, CompletionRequest, GenerateRequest
+from .text import TextStream, check_text, message_text
+from .worker import EngineWorker, RequestHandle
 
-    from angelspec_hf.tgi_patch import protocol
-    from angelspec_hf.tgi_patch.protocol import ChatRequest, CompletionRequest, GenerateRequest, TokenizeRequest
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError("`angelspec serve` needs the serve extra: pip install 'angelspec-hf[serve]'") from exc
-
-ROUTES = ("/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-          "/info", "/health", "/metrics")
 _OPENAI_FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
-
-
-# ---------------------------------------------------------------- text
-def check_text(text: str, name: str) -> str:
-    """`text` if it is valid Unicode (JSON can carry lone surrogates, which no tokenizer can encode)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValidationError(f"`{name}` is not valid Unicode text ({exc.reason} at position {exc.start})") from None
-    return text
-
-
-def message_text(content) -> str | None:
-    """A chat message's text: a string, or the concatenated `text` of its `{"type": "text"}` parts."""
-    if content is None or isinstance(content, str):
-        return None if content is None else check_text(content, "content")
-    parts = []
-    for part in content:
-        if part.get("type") == "text":
-            if not isinstance(part.get("text"), str):
-                raise ValidationError("a `text` content part needs a string `text`")
-            parts.append(check_text(part["text"], "content"))
-    return "".join(parts)
-
-
-class TextStream:
-    """TGI's incremental detokenisation: a token's text is what decoding it adds to the text of the tokens before
-    it (five tokens of context), and stays empty while the text ends in an incomplete UTF-8 character. Special
-    tokens keep their text on the wire but are left out of the visible text, which is where stop strings are looked
-    for. Each token costs time in its own text plus the longest stop string, never in the text so far: stops are
-    searched in a window (the visible text's last `longest - 1` characters, where a stop may still start, plus the new
-    text) and the visible text is kept in pieces, joined once."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], special_ids: frozenset[int]):
-        self.tokenizer, self.stops, self.special_ids = tokenizer, stops, special_ids
-        self.ids = list(prompt_ids[-5:])
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
-        self.generated: list[int] = []
-        self.stop_span: tuple[int, int] | None = None  # where the first stop string sits in `visible`
-        self._keep = max(map(len, stops), default=1) - 1  # characters a stop may span before a new piece
-        self._pieces: list[str] = []  # the visible text
-        self._size = 0  # its length
-        self._window = ""  # its last `_keep` characters
-        self._unsent: list[str] = []  # visible text not yet sent as OpenAI deltas (some of the last pieces)
-
-    @property
-    def visible(self) -> str:
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def push(self, token_id: int, logprob: float) -> dict:
-        """The next token as TGI's `{id, text, logprob, special}`; sets `stop_span` when a stop string completes."""
-        self.ids.append(token_id)
-        self.generated.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            text = text[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        else:
-            text = ""
-        special = token_id in self.special_ids
-        if text and not special:
-            window, base = self._window + text, self._size - len(self._window)  # base: the window's offset
-            hits = [(base + i, base + i + len(s)) for s in self.stops if (i := window.find(s)) >= 0]
-            self.stop_span = min(hits) if hits else None
-            self._pieces.append(text)
-            self._unsent.append(text)
-            self._size += len(text)
-            self._window = window[max(0, len(window) - self._keep):] if self._keep else ""
-        return {"id": token_id, "text": text, "logprob": logprob, "special": special}
-
-    def final_text(self, openai: bool = False) -> str:
-        """The generated text: TGI keeps a stop string (and cuts what follows it), OpenAI drops it."""
-        if self.stop_span is not None:
-            return self.visible[:self.stop_span[0] if openai else self.stop_span[1]]
-        return self.tokenizer.decode(self.generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def _held(self) -> int:
-        """The length of the longest end of the visible text that begins a stop string (it may still grow into one)."""
-        held = 0
-        for stop in self.stops:
-            held = next((k for k in range(min(len(stop) - 1, len(self._window)), held, -1)
-                         if self._window.endswith(stop[:k])), held)
-        return held
-
-    def openai_delta(self, final: bool = False) -> str:
-        """New visible text safe to stream under OpenAI semantics: nothing from a stop string on, and while not
-        `final`, nothing that might still grow into one."""
-        unsent = "".join(self._unsent)
-        if self.stop_span is not None:
-            end = self.stop_span[0] - (self._size - len(unsent))  # the stop's start, in `unsent`
-        elif final:
-            end = len(unsent)
-        else:
-            end = len(unsent) - self._held()
-        delta, rest = unsent[:max(end, 0)], unsent[max(end, 0):]
-        self._unsent = [rest] if rest else []
-        return delta
 
 
 @dataclass
@@ -178,17 +49,10 @@ class Job:
     handle: RequestHandle | None = None  # set once the engine accepted the request
 
 
-class ClientDisconnected(IncompleteGenerationError):
-    """Nobody reads this answer (status 499, as nginx logs it): only the metrics see it."""
-
-    status = 499
-
-
 def _sse(payload: dict) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
-# ---------------------------------------------------------------- the server
 class TGIServer:
     """Validation and generation shared by the routes; one per app."""
 
@@ -471,7 +335,7 @@ class TGIServer:
 
     def _chat_base(self, object_name: str, id_prefix: str = "chatcmpl") -> dict:
         return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()),
-                "model": self.model_id, "system_fingerprint": f"angelspec-hf-{_version()}"}
+                "model": self.model_id, "system_fingerprint": f"angelspec-hf-{server_version()}"}
 
     @staticmethod
     def _usage(*jobs: Job) -> dict:
@@ -559,244 +423,11 @@ class TGIServer:
                 "max_input_tokens": self.max_input_tokens,
                 "max_total_tokens": self.max_total_tokens, "validation_workers": 1,
                 "max_client_batch_size": self.max_client_batch_size,
-                "router": "angelspec-hf", "version": _version(), "sha": None, "docker_label": None,
+                "router": "angelspec-hf", "version": server_version(), "sha": None, "docker_label": None,
                 **self.info_extra}
 
 
-def _version() -> str:
+def server_version() -> str:
     from angelspec_hf import __version__
 
     return __version__
-
-
-# ---------------------------------------------------------------- HTTP
-class _MetricsMiddleware:
-    """Counts requests by route and status and times them to the last byte (streams included)."""
-
-    def __init__(self, app, metrics: ServingMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-        start, status = time.perf_counter(), 500
-
-        async def send_and_record(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_record)
-        finally:
-            self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            return f"Input validation error: malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}"
-        where = ".".join(str(x) for x in err.get("loc", ())[1:]) or "body"
-        parts.append(f"`{where}`: {err['msg']}")
-    return "Input validation error: " + "; ".join(parts)
-
-
-class _PayloadLimitMiddleware:
-    """Refuses a request body over `limit` bytes (TGI's `--payload-limit`) with a 413, without reading it whole: the
-    error is raised from `receive`, inside the route, so the app's exception handlers answer it."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared, received = dict(scope["headers"]).get(b"content-length", b""), 0
-
-        async def limited_receive():
-            nonlocal received
-            message = None if declared.isdigit() and int(declared) > self.limit else await receive()
-            received += len(message.get("body", b"")) if message else 0
-            if message is None or received > self.limit:
-                raise HTTPException(413, f"Input validation error: the request body is larger than the payload "
-                                         f"limit of {self.limit} bytes")
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-_HTTP_ERROR_TYPES = {400: "validation", 404: "not_found", 405: "method_not_allowed", 413: "validation"}
-
-
-def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024, max_total_tokens: int = 2048,
-               max_concurrent_requests: int = 128, max_stop_sequences: int = 4, max_stop_length: int = 256,
-               max_payload_bytes: int = 2_000_000, max_client_batch_size: int = 4, info_extra: dict | None = None,
-               graceful_shutdown_s: float = 30.0) -> FastAPI:
-    """A FastAPI app serving `engine` (a `SpeculativeEngine` or anything with its interface) over TGI's protocol.
-
-    The limits are TGI's (`/info` reports them), plus `max_stop_length` (characters per stop string) and
-    `max_payload_bytes` (request body; TGI's `--payload-limit`); `max_client_batch_size` prompts per `/v1/completions`
-    request. The engine's worker thread starts and stops with the
-    app's lifespan (uvicorn runs it); on shutdown, open streams get `graceful_shutdown_s` to finish, then are cut, and
-    whatever the engine still runs ends as `incomplete_generation`."""
-    server = TGIServer(engine, tokenizer, model_id, max_input_tokens=max_input_tokens,
-                       max_total_tokens=max_total_tokens, max_concurrent_requests=max_concurrent_requests,
-                       max_stop_sequences=max_stop_sequences, max_stop_length=max_stop_length,
-                       max_client_batch_size=max_client_batch_size, info_extra=info_extra,
-                       graceful_shutdown_s=graceful_shutdown_s)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        server.worker.start()
-        yield
-        await asyncio.to_thread(server.worker.shutdown, graceful_shutdown_s)
-
-    app = FastAPI(title="angelspec-hf", version=_version(), lifespan=lifespan,
-                  description="TGI's protocol on a batched speculative engine; every error is TGI's "
-                              "`{error, error_type}`.")
-    app.state.server = server
-    app.add_middleware(_PayloadLimitMiddleware, limit=max_payload_bytes)
-    app.add_middleware(_MetricsMiddleware, metrics=server.metrics)
-
-    def error(message: str, error_type: str, status: int, headers=None) -> JSONResponse:
-        return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_bad_body(request, exc):
-        return error(_validation_message(exc), "validation", 422)
-
-    @app.exception_handler(ServingError)
-    async def on_serving_error(request, exc):
-        return error(str(exc), exc.error_type, exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(request, exc):  # no such route or method, a body FastAPI could not parse, 413
-        message = exc.detail
-        if exc.status_code == 400 and exc.__cause__ is not None:  # invalid UTF-8, JSON nested too deep
-            message = f"Input validation error: the body is not valid JSON: {exc.__cause__}"
-        return error(message, _HTTP_ERROR_TYPES.get(exc.status_code, "http"), exc.status_code, exc.headers)
-
-    @app.exception_handler(Exception)
-    async def on_bug(request, exc):  # a bug: still TGI-shaped (starlette logs the traceback)
-        return error(f"Internal server error: {type(exc).__name__}", "internal", 500)
-
-    async def generate_job(body: GenerateRequest) -> Job:
-        return await server.off_loop(server.generate_job, body)
-
-    async def stream_tgi(body: GenerateRequest):
-        job = await generate_job(body)
-        return await server.stream(job, server.tgi_events(body, job))
-
-    @app.post("/generate", responses=protocol.GENERATE_DOC)
-    async def generate(body: GenerateRequest, request: Request):
-        return server.tgi_response(body, await server.complete(await generate_job(body), request))
-
-    @app.post("/generate_stream", response_class=EventSourceResponse, responses=protocol.STREAM_DOC)
-    async def generate_stream(body: GenerateRequest):
-        return await stream_tgi(body)
-
-    @app.post("/", responses=protocol.COMPAT_DOC)
-    async def compat_generate(body: GenerateRequest, request: Request):
-        if body.stream:
-            return await stream_tgi(body)
-        return [server.tgi_response(body, await server.complete(await generate_job(body), request))]
-
-    @app.post("/v1/chat/completions", responses=protocol.CHAT_DOC)
-    async def chat_completions(body: ChatRequest, request: Request):
-        job = await server.off_loop(server.chat_job, body)
-        if body.stream:
-            return await server.stream(job, server.chat_events(body, job))
-        return server.chat_response(body, await server.complete(job, request))
-
-    @app.post("/v1/completions", responses=protocol.COMPLETIONS_DOC)
-    async def completions(body: CompletionRequest, request: Request):
-        jobs = await server.off_loop(server.completion_jobs, body)
-        if body.stream:
-            return await server.stream(jobs, server.completion_events(body, jobs))
-        return server.completion_response(await server.complete_all(jobs, request))
-
-    def tokens(body: TokenizeRequest) -> list[dict]:
-        enc = tokenizer(check_text(body.inputs, "inputs"), add_special_tokens=body.add_special_tokens,
-                        return_offsets_mapping=True)
-        return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
-                for i, (a, b) in zip(enc.input_ids, enc.offset_mapping)]
-
-    @app.post("/tokenize", responses={200: {"model": list[protocol.TokenizedToken]}} | protocol.BODY_ERRORS)
-    async def tokenize(body: TokenizeRequest):
-        return await server.off_loop(tokens, body)
-
-    @app.get("/info", responses={200: {"model": protocol.Info}})
-    async def info():
-        return server.info()
-
-    @app.get("/v1/models", responses={200: {"model": protocol.ModelList}})
-    async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                            "owned_by": "angelspec-hf"}]}
-
-    @app.get("/health", response_class=Response, responses=protocol.HEALTH_DOC)
-    async def health():
-        if server.worker.alive:
-            return Response(status_code=200)
-        return error(f"the engine worker is not running: {server.worker.failure}", "healthcheck", 503)
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=protocol.METRICS_DOC)
-    async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    # this server's own limits in the schema
-    schemas = app.openapi()["components"]["schemas"]
-    stop = protocol.stop_schema(max_stop_sequences, max_stop_length)
-    schemas["GenerateParameters"]["properties"]["stop"].update(stop)
-    for name in ("ChatRequest", "CompletionRequest"):
-        schemas[name]["properties"]["stop"]["anyOf"] = [stop["items"], stop, {"type": "null"}]
-    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    next(p for p in prompt if p.get("type") == "array").update(minItems=1, maxItems=max_client_batch_size)
-    return app
-
-
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
-          graceful_shutdown_s: int = 35) -> None:
-    """Runs `app` under uvicorn until interrupted (SIGINT/SIGTERM): it stops accepting connections, lets in-flight
-    requests finish for up to `graceful_shutdown_s` (streams get the app's own, shorter, grace), then stops the
-    engine thread."""
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s)
-
-
-@contextmanager
-def running_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
-    """Runs `app` under uvicorn on a background thread (tests, benchmarks); yields its base URL, and on exit shuts
-    it down the way a signal would (in-flight requests finish, then the lifespan stops the engine worker)."""
-    import socket
-    import threading
-
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(timeout_s)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://{host}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout_s)
-        sock.close()
-
-
-__all__ = ["ChatRequest", "GenerateRequest", "TGIServer", "TextStream", "create_app", "running_in_thread", "serve"]

@@ -1,12 +1,12 @@
-"""Torch reference implementations of the two hot steps of a batched speculative step. `triton_kernels.py` has Triton
-versions (dispatched by `kernels.py`) with the same signatures and outputs, dispatched on CUDA; these run everywhere else and define the results
-the kernels are tested against."""
+"""Torch reference implementations of the two hot steps of a batched speculative step. The Triton versions are in
+`triton_kernels.py`, with the same signatures and outputs; the dispatch in `kernels/__init__.py` runs them on CUDA
+and these everywhere else. These define the results the kernels are tested against."""
 
 from __future__ import annotations
 
 import torch
 
-from .sampling import sample_from
+from ..sampling import sample_from
 
 
 def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain: float = 0.0):

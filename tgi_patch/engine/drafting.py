@@ -2,8 +2,8 @@
 features into the drafter's paged KV pool, then drafts a block after its own anchor.
 
 `select(logits [B, V], j)` picks draft token j for every sequence and returns `(tokens [B], probs [B, V] | None,
-confidence [B])`: the engine's per-request greedy/sampling choice, the drafter's processed distribution (needed for
-exact rejection sampling) and the drafter's confidence there (D-Cut's signal). `keep_going(confidence [B], j)`, if
+confidence [B])`: the engine's per-request greedy/sampling choice (`verification.draft_selector`), the drafter's
+processed distribution (needed for exact rejection sampling) and the drafter's confidence there (D-Cut's signal). `keep_going(confidence [B], j)`, if
 given, is asked after each position whether any sequence could still have position j + 1 verified; drafting stops
 when none could (DFly's AR head and MTP's chained steps are sequential: a position nobody verifies is not computed).
 """

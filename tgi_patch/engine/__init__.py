@@ -1,0 +1,31 @@
+"""The batched speculative engine, split by job (as vLLM's v1 engine is):
+
+- `core.py`: `SpeculativeEngine`, whose `step()` orchestrates schedule → draft → D-Cut → one packed forward → verify
+  → advance → record; `generate_batch`.
+- `request.py`: `SamplingParams`, the running `Request`, `TokenEvent`, `StepTrace`.
+- `scheduler.py`: admission, cancellation, finishing; the step's `ScheduledBatch`; advancing each request by the
+  tokens verification emitted for it (stop ids, length limit).
+- `model_runner.py`: the target's paged KV pool and anchors, the packed target forward, the features kept for the
+  drafter, dummy-step profiling.
+- `drafting.py`: `BatchDrafter`, every drafter family over a ragged batch in its own paged KV pool.
+- `dcut.py`: D-Cut: acceptance calibration, the profiled cost model, draft width, n-gram lookups, selection,
+  back-off.
+- `verification.py`: the sampler: draft-token selection, penalised and processed target scores, batched acceptance.
+- `sampling.py`: penalties, temperature / top-k / top-p, the counter-based random streams, inverse-CDF draws.
+- `paged.py`: `PagedKVPool`, `RaggedStep` and the ragged attention function of the packed target forward.
+- `kernels/`: D-Cut selection and verification, the torch `reference.py` beside `triton_kernels.py`; the dispatch
+  in `kernels/__init__.py`.
+
+Imports only go one way: core → scheduler, model_runner, dcut, verification; scheduler → request → sampling;
+model_runner → drafting → paged; dcut, verification → kernels → sampling. `tests/test_import_graph.py` checks that
+no import cycle appears anywhere in the package.
+"""
+
+from .core import SpeculativeEngine, generate_batch
+from .dcut import AcceptanceCalibrator, CostModel, parse_verify
+from .request import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, SamplingParams, StepTrace, TokenEvent
+
+__all__ = [
+    "FINISH_CANCELLED", "FINISH_EOS", "FINISH_LENGTH", "AcceptanceCalibrator", "CostModel", "SamplingParams",
+    "SpeculativeEngine", "StepTrace", "TokenEvent", "generate_batch", "parse_verify",
+]

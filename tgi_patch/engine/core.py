@@ -1,0 +1,315 @@
+"""A continuous-batching speculative engine with D-Cut adaptive verification.
+
+Each `step()`: requests waiting for a slot join (their prompts are prefilled in the same target forward as everyone
+else's verification); the drafter proposes a block per running request with a confidence per token; D-Cut chooses which
+draft tokens to verify (a prefix per request, the globally most likely to be accepted, under a budget); the target
+verifies all of them, for all requests, in **one** packed forward; every request advances by its own accepted count.
+
+Lossless: a greedy request's tokens equal its own plain greedy decoding whatever else is in the batch, and a sampled
+request is exact rejection sampling, its random numbers keyed by its seed and token positions only.
+
+    engine = SpeculativeEngine(target, drafter, verify="auto")
+    rid = engine.add_request(input_ids, SamplingParams(max_new_tokens=64))
+    while engine.has_work():
+        for event in engine.step(): ...
+
+This module only orchestrates; each job has its module: `scheduler.py` (who runs), `model_runner.py` (the models'
+tensors: KV pool, the packed forward, drafting inputs, profiling), `dcut.py` (what to draft and verify),
+`verification.py` (sampling and acceptance), `request.py` (what goes in and comes out).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from angelspec_hf.modeling.candidate_generator import mean_accepted_length
+from angelspec_hf.prompts import chat_ids
+
+from . import dcut, verification
+from .dcut import CostModel, DCutPolicy, load_or_profile, parse_verify
+from .model_runner import ModelRunner, PackedForward
+from .request import Request, SamplingParams, StepTrace, TokenEvent
+from .sampling import PenaltyState
+from .scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass
+class Proposal:
+    """The draft tokens a step may verify, per row of its `ScheduledBatch` (prefilling rows carry none)."""
+
+    tokens: torch.Tensor  # [B, K]
+    probs: torch.Tensor | None  # [B, K, V] the drafter's processed distribution q (None: every request greedy)
+    conf: torch.Tensor | None  # [B, K] D-Cut's confidence (None: nothing drafted)
+    lookup: torch.Tensor | None  # [B] bool: the row carries an n-gram lookup instead of the drafter's block
+    num_drafted: torch.Tensor  # [B] valid draft tokens per row
+    drafted: bool  # the drafter ran ("speculative" step), else a plain step
+
+
+class SpeculativeEngine:
+    def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
+                 cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
+                 lookup_tokens: int | None = None):
+        if drafter is not None:
+            drafter.check_target(target)
+        mode, mode_value = parse_verify(verify)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.target, self.drafter = target, drafter
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.runner = ModelRunner(target, drafter, max_batch_size)
+        self.device = self.runner.device
+        config = target.config.get_text_config()
+        self.vocab_size = config.vocab_size
+        self.max_total_tokens = getattr(config, "max_position_embeddings", None) or 1 << 30
+        eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+        self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        # n-gram lookup proposals: the drafter config's `lookup_tokens` unless given
+        config_lookup = getattr(drafter.config, "lookup_tokens", 0) if drafter is not None else 0
+        self.policy = DCutPolicy(
+            mode, mode_value, cost_model=cost_model, calibrator=calibrator, probe_every=probe_every,
+            load_cost_model=lambda: load_or_profile(self.runner, cost_model_cache),
+            lookup_tokens=config_lookup if lookup_tokens is None else lookup_tokens,
+            lookup_max_ngram=getattr(drafter.config, "lookup_max_ngram", 3) if drafter is not None else 3)
+        self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, release=self._release)
+        self.last_step: StepTrace | None = None
+        self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
+                       "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "requests_finished": 0,
+                       "seconds": 0.0}
+        if self.policy.mode == "auto":
+            _ = self.cost_model  # profiled (or read from the cache) now, before any request: it uses idle slots
+
+    # ---- public API --------------------------------------------------------------------------------------------------
+    @property
+    def cost_model(self) -> CostModel:
+        return self.policy.cost_model
+
+    @property
+    def pool(self):
+        """The target's paged KV pool."""
+        return self.runner.pool
+
+    @property
+    def batch_drafter(self):
+        return self.runner.batch_drafter
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add_request(self, input_ids, params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        params.validate()
+        prompt = self._checked_prompt(input_ids, params)
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        stop = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_ids)
+        request = Request(self.scheduler.new_id(), prompt, params, seed, stop)
+        if params.penalised:
+            request.penalties = PenaltyState(prompt, self.vocab_size, self.device)
+        self.scheduler.add(request)
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        self.scheduler.cancel(request_id)
+
+    @property
+    def stats(self) -> dict:
+        t = self.totals
+        rounds = t["decode_row_steps"]
+        stats = dict(t)
+        stats["mean_accepted_length"] = mean_accepted_length(t["accepted"], rounds)
+        stats["tokens_per_second"] = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+        stats["running"], stats["waiting"] = self.num_running, self.num_waiting
+        stats["last_budget"] = self.last_step.budget if self.last_step else 0
+        stats["last_choice"] = self.last_step.choice if self.last_step else "plain"
+        stats["calibration_error"] = self.policy.calibrator.calibration_error()
+        stats["reliability"] = self.policy.calibrator.reliability()
+        stats["kv_tokens_allocated"] = self.pool.tokens_allocated
+        return stats
+
+    # ---- one step ----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[TokenEvent]:
+        start = time.perf_counter()
+        events = self.scheduler.drop_cancelled()
+        self.scheduler.admit()
+        batch = self.scheduler.schedule(self.device)
+        if batch is None:
+            self.last_step = None
+            return events
+        trace = StepTrace()
+        # 1. draft; 2. choose what to verify
+        proposal = self._propose(batch)
+        accept = self._acceptance(proposal.conf, proposal.lookup)
+        depth = self._select(accept, proposal.num_drafted, len(batch), batch.base_tokens, batch.num_decode, trace,
+                             batch.sampled)
+        # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
+        forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
+        # 4. verify every request in one call
+        verified = verification.verify_drafts(forward.scored, proposal.tokens, proposal.probs, depth, batch.requests,
+                                              self._process)
+        # 5. advance every request by its own count; 6. bookkeeping
+        emitted = self._advance(batch, proposal, depth, forward, verified)
+        self._record(trace, batch, proposal, depth, verified, emitted, start)
+        return events + emitted
+
+    def _propose(self, batch: ScheduledBatch) -> Proposal:
+        """Draft tokens for every decoding request: the drafter's block, or an n-gram lookup where that is expected
+        to do better. A plain step (no drafter, nobody decoding, or D-Cut backing off) drafts nothing."""
+        n_pre = batch.num_prefill
+        tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
+        probs = conf = lookup = row_limit = None
+        drafted = self.batch_drafter is not None and batch.num_decode > 0 and self.policy.should_draft()
+        if drafted:
+            tokens, probs, conf, lookup, row_limit = self._draft(batch)
+            tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
+            probs = _pad_rows(probs, n_pre) if probs is not None else None
+        num_drafted = (batch.remaining - 1).clamp(min=0, max=tokens.shape[1])
+        num_drafted[:n_pre] = 0
+        if row_limit is not None:
+            num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
+            lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
+        return Proposal(tokens, probs, conf, lookup, num_drafted, drafted)
+
+    def _draft(self, batch: ScheduledBatch):
+        """The decoding rows' proposals: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`,
+        which rows took an n-gram lookup `[n_dec]` and how many positions each carries `[n_dec]` (None, None: no
+        lookups)."""
+        dec = slice(batch.num_prefill, None)
+        requests, remaining = batch.requests[dec], batch.remaining[dec]
+        k = self.policy.draft_width(self.batch_drafter.num_draft_tokens)
+        keep_going = self.policy.drafting_bound(remaining, len(batch), batch.base_tokens, batch.num_decode)
+        select = verification.draft_selector(requests, self.device, self._process, self.draft_confidence)
+        tokens, probs, conf = self.runner.draft(batch.slots[dec], k, select, keep_going)
+        if not self.policy.uses_lookup:
+            return tokens, probs, conf, None, None
+        return self._lookup(requests, remaining, batch.sampled[dec], tokens, probs, conf)
+
+    def _advance(self, batch: ScheduledBatch, proposal: Proposal, depth, forward: PackedForward,
+                 verified: verification.Verified) -> list[TokenEvent]:
+        """Calibration learns the step's outcomes; the runner keeps the accepted tokens (KV, drafter features,
+        anchors); the scheduler hands them to their requests and finishes those that ended."""
+        if proposal.drafted:
+            drafted_rows = torch.arange(len(batch), device=self.device) >= batch.num_prefill
+            self.policy.observe(proposal.conf, depth, verified.num_accepted, drafted_rows, proposal.lookup)
+        self.runner.advance(forward, batch.slots, verified.num_accepted, verified.emitted, verified.next_token)
+        return self.scheduler.update(batch.requests, verified.emitted.tolist(), verified.num_accepted.tolist(),
+                                     verified.logprobs.tolist(), verified.top)
+
+    def _record(self, trace: StepTrace, batch: ScheduledBatch, proposal: Proposal, depth,
+                verified: verification.Verified, events: list[TokenEvent], start: float) -> None:
+        """The step's trace (`last_step`) and the running totals (`stats`)."""
+        seconds = time.perf_counter() - start
+        trace.request_ids = [r.id for r in batch.requests]
+        trace.draft_tokens = proposal.tokens.tolist()
+        trace.verified, trace.accepted = depth.tolist(), verified.num_accepted.tolist()
+        trace.prefill = [len(p) for p in batch.prompts] + [0] * batch.num_decode
+        trace.choice = "speculative" if proposal.drafted else "plain"
+        trace.drafted_tokens = int(proposal.num_drafted.sum())
+        trace.verified_tokens = int(depth.sum())
+        trace.pruned_tokens = trace.drafted_tokens - trace.verified_tokens
+        trace.seconds = seconds
+        self.last_step = trace
+        t = self.totals
+        t["steps"] += 1
+        t["speculative_steps"] += int(proposal.drafted)
+        t["tokens"] += sum(len(e.token_ids) for e in events)
+        t["decode_row_steps"] += batch.num_decode
+        t["drafted"] += trace.drafted_tokens
+        t["verified"] += trace.verified_tokens
+        t["accepted"] += int(verified.num_accepted[batch.num_prefill:].sum())
+        t["pruned"] += trace.pruned_tokens
+        t["lookup_rows"] += int(proposal.lookup.sum()) if proposal.lookup is not None else 0
+        t["seconds"] += seconds
+
+    def _release(self, slot: int) -> None:
+        """A request finished: free what its slot holds (the scheduler's callback)."""
+        self.runner.release(slot)
+        self.totals["requests_finished"] += 1
+
+    def _checked_prompt(self, input_ids, params: SamplingParams) -> list[int]:
+        prompt = [int(t) for t in (input_ids.reshape(-1).tolist() if torch.is_tensor(input_ids) else input_ids)]
+        if not prompt:
+            raise ValueError("input_ids is empty: a request needs at least one prompt token")
+        vocab = self.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        if len(prompt) + params.max_new_tokens > self.max_total_tokens:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"target's maximum length {self.max_total_tokens}")
+        if len(prompt) > self.max_prefill_tokens:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prefill_tokens={self.max_prefill_tokens}")
+        return prompt
+
+    # ---- the rules, as methods a subclass may swap (the tests swap in known-wrong ones to prove their power) ----------
+    def draft_confidence(self, probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """`dcut.draft_confidence` (why it may not look at `token`: the comment above it)."""
+        return dcut.draft_confidence(probs, token)
+
+    def plan_acceptance(self, accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """`dcut.plan_acceptance`."""
+        return dcut.plan_acceptance(accept, sampled)
+
+    def _process(self, logits, requests, span):
+        """Each request's sampling distribution: `verification.process_requests`."""
+        return verification.process_requests(logits, requests, span)
+
+    def _acceptance(self, conf, lookup):
+        return self.policy.acceptance(conf, lookup)
+
+    def _lookup(self, requests, remaining, sampled, tokens, probs, conf):
+        span = min(self.policy.lookup_tokens, self.batch_drafter.num_draft_tokens)
+        return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, self.plan_acceptance)
+
+    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled) -> torch.Tensor:
+        """D-Cut's depth `[B]` per row (`DCutPolicy.select`), recorded in `trace`."""
+        if accept is None:
+            return torch.zeros_like(num_drafted)
+        depth, survival = self.policy.select(accept, num_drafted, rows, base_tokens, n_dec, sampled,
+                                             self.plan_acceptance)
+        trace.survival = survival.tolist()
+        trace.budget = int(depth.sum())
+        return depth
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x` after `n` rows of zeros (the prefilling rows, which carry no draft)."""
+    return torch.cat([x.new_zeros(n, *x.shape[1:]), x])
+
+
+def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: int = 64, verify="auto",
+                   do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int | None = None, max_batch_size: int = 32, engine: SpeculativeEngine | None = None,
+                   return_engine: bool = False):
+    """Generate for many prompts at once with the continuous-batching speculative engine.
+
+    prompts: token-id lists (or strings, with `tokenizer`: the chat template is applied). Returns the generated token
+    ids per prompt, in order (and the engine when `return_engine`). Request i gets seed `seed + i` when `seed` is set.
+    """
+    engine = engine or SpeculativeEngine(target, drafter, verify=verify, max_batch_size=max_batch_size)
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError("string prompts need a tokenizer")
+            prompt = chat_ids(tokenizer, prompt)
+        params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i)
+        ids.append(engine.add_request(prompt, params))
+    outputs = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            outputs[event.request_id].extend(event.token_ids)
+    result = [outputs[i] for i in ids]
+    return (result, engine) if return_engine else result

@@ -1,0 +1,392 @@
+"""D-Cut: which draft tokens each step verifies, and whether to draft at all.
+
+Two models: how likely a draft token is to be accepted (`AcceptanceCalibrator`, online calibration of the drafter's
+confidence, per draft position), and what verifying costs on this hardware (`CostModel`, profiled at start-up on the
+model runner's dummy steps and cached per model and machine). `DCutPolicy` uses them each step: how wide to draft and
+when to stop, where an n-gram lookup replaces the drafter's block, which prefix of each block to verify (the globally
+most likely to be accepted, under a budget the cost model chooses in "auto" mode), and when plain decoding wins, after
+which drafting backs off exponentially. `draft_confidence` and `plan_acceptance` are the two rules that keep this
+exact for sampled requests (explained above them).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from angelspec_hf.modeling.candidate_generator import ngram_continuation
+from angelspec_hf.modeling.draft_policy import default_cache_dir, hardware_key  # one key for every cost model
+
+from . import kernels
+
+
+class AcceptanceCalibrator:
+    """Maps the drafter's confidence in a draft token (the peak of its distribution there) to the probability that the
+    target accepts it given that the tokens before it were accepted, from the verification outcomes seen so far,
+    separately for each draft position (the same confidence means less deeper in a block, where the drafter reads its
+    own guesses; positions past `num_positions - 1` share the last curve).
+
+    Confidence is binned; each cell's estimate starts at `prior` (weight `prior_weight` observations, so the first
+    steps are not extreme) and moves to the empirical rate. Only tokens whose predecessors were all accepted are
+    observations: after a rejection nothing is learned about the rest of the block.
+    """
+
+    def __init__(self, num_bins: int = 10, prior: float | None = None, prior_weight: float = 4.0,
+                 num_positions: int = 8):
+        self.num_bins, self.num_positions = num_bins, num_positions
+        centers = (torch.arange(num_bins, dtype=torch.float64) + 0.5) / num_bins
+        start = centers if prior is None else torch.full((num_bins,), float(prior), dtype=torch.float64)
+        cells = num_positions * num_bins  # flat: position * num_bins + bin
+        self.accepted = (start * prior_weight).repeat(num_positions)
+        self.trials = torch.full((cells,), prior_weight, dtype=torch.float64)
+        self.observed = torch.zeros(cells, dtype=torch.float64)  # real observations (no prior)
+        self.observed_accepted = torch.zeros(cells, dtype=torch.float64)
+        self.confidence_sum = torch.zeros(cells, dtype=torch.float64)
+
+    def _cells(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Flat cell of every entry of `confidence [..., K]`: its bin at its draft position (the last dimension)."""
+        bins = (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+        position = torch.arange(confidence.shape[-1], device=confidence.device).clamp(max=self.num_positions - 1)
+        return position * self.num_bins + bins
+
+    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance probabilities, same shape as `confidence [..., K]` (K: draft positions)."""
+        rate = (self.accepted / self.trials).to(confidence.device, torch.float32)
+        return rate[self._cells(confidence)]
+
+    def at(self, confidence: torch.Tensor, position: int) -> torch.Tensor:
+        """Calibrated acceptance of confidences `[B]` all at draft position `position`."""
+        cell = min(position, self.num_positions - 1) * self.num_bins
+        bins = (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+        return (self.accepted / self.trials).to(confidence.device, torch.float32)[cell + bins]
+
+    def update(self, confidence: torch.Tensor, verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """confidence `[B, K]`; verified `[B]` draft tokens verified per request; num_accepted `[B]` accepted."""
+        k = confidence.shape[1]
+        j = torch.arange(k, device=confidence.device)[None, :]
+        observed = (j < verified[:, None]) & (j <= num_accepted[:, None])  # tested, predecessors all accepted
+        accepted = j < num_accepted[:, None]
+        cells = self._cells(confidence)[observed].cpu()
+        outcome = accepted[observed].double().cpu()
+        conf = confidence[observed].double().cpu()
+        for target, values in ((self.trials, torch.ones_like(outcome)), (self.accepted, outcome),
+                               (self.observed, torch.ones_like(outcome)), (self.observed_accepted, outcome),
+                               (self.confidence_sum, conf)):
+            target.index_add_(0, cells, values)
+
+    def _per_bin(self, cells: torch.Tensor) -> torch.Tensor:
+        return cells.reshape(self.num_positions, self.num_bins).sum(0)
+
+    def reliability(self) -> list[dict]:
+        """Per bin with observations: mean confidence, observed acceptance rate and count (a reliability curve)."""
+        observed, accepted, confidence = map(self._per_bin, (self.observed, self.observed_accepted,
+                                                            self.confidence_sum))
+        rows = []
+        for b in range(self.num_bins):
+            n = float(observed[b])
+            if n:
+                rows.append({"confidence": float(confidence[b]) / n, "acceptance": float(accepted[b]) / n,
+                             "count": int(n)})
+        return rows
+
+    def calibration_error(self) -> dict:
+        """Expected calibration error of the raw confidence, and of the calibrated estimate, over observed tokens."""
+        n = float(self.observed.sum())
+        if not n:
+            return {"raw": float("nan"), "calibrated": float("nan"), "observations": 0}
+        rate = self.observed_accepted / self.observed.clamp(min=1)
+        raw = (self.confidence_sum / self.observed.clamp(min=1) - rate).abs()
+        calibrated = (self.accepted / self.trials - rate).abs()
+        weights = self.observed / n
+        return {"raw": float((weights * raw).sum()), "calibrated": float((weights * calibrated).sum()),
+                "observations": int(n)}
+
+
+@dataclass
+class CostModel:
+    """Seconds per engine step: `verify(rows, tokens)` for a target forward over `rows` sequences and `tokens` new
+    tokens in total, and `draft(rows)` for one drafting call. Both are least-squares fits of measurements:
+    `a + b·rows + c·tokens` and `a + b·rows`."""
+
+    verify_coef: tuple[float, float, float]
+    draft_coef: tuple[float, float] = (0.0, 0.0)
+    samples: list = field(default_factory=list)
+    key: str = ""
+
+    def verify(self, rows, tokens):
+        a, b, c = self.verify_coef
+        return max(a + b * rows + c * tokens, 1e-6)
+
+    def draft(self, rows) -> float:
+        a, b = self.draft_coef
+        return max(a + b * rows, 0.0)
+
+    def step_costs(self, rows: int, base_tokens: int, max_extra: int, drafted: bool, device=None) -> torch.Tensor:
+        """`[max_extra + 1]`: cost of a step verifying 0..max_extra draft tokens on top of `base_tokens`."""
+        extra = torch.arange(max_extra + 1, dtype=torch.float32, device=device)
+        a, b, c = self.verify_coef
+        cost = (a + b * rows + c * (base_tokens + extra)).clamp(min=1e-6)
+        return cost + (self.draft(rows) if drafted else 0.0)
+
+    def to_dict(self) -> dict:
+        return {"verify_coef": list(self.verify_coef), "draft_coef": list(self.draft_coef), "samples": self.samples,
+                "key": self.key}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        return cls(tuple(data["verify_coef"]), tuple(data["draft_coef"]), data.get("samples", []), data.get("key", ""))
+
+
+def _fit(features: list[list[float]], times: list[float]) -> tuple[float, ...]:
+    x = torch.tensor(features, dtype=torch.float64)
+    y = torch.tensor(times, dtype=torch.float64)[:, None]
+    coef = torch.linalg.lstsq(x, y).solution[:, 0]
+    return tuple(float(c) for c in coef)
+
+
+def profile_cost_model(runner, rows=(1, 2, 4, 8, 16, 32), tokens_per_row=(1, 2, 4, 8), context=32, repeats=2,
+                       time_limit: float = 20.0) -> CostModel:
+    """Measure verification (and drafting) steps of a model runner's models (`runner.time_dummy_steps`) on dummy
+    sequences of `context` tokens, for batch sizes up to `runner.max_batch_size`, smallest first, stopping after about
+    `time_limit` seconds."""
+    rows = [r for r in rows if r <= runner.max_batch_size] or [1]
+    verify_x, verify_t, draft_x, draft_t, samples = [], [], [], [], []
+    start = time.perf_counter()
+    for b in rows:
+        if time.perf_counter() - start > time_limit and len(samples) >= 2:
+            break
+        for sample in runner.time_dummy_steps(b, list(tokens_per_row), context, repeats):
+            samples.append(sample)
+            verify_x.append([1.0, b, b * sample["tokens_per_row"]])
+            verify_t.append(sample["verify"])
+            if "draft" in sample:
+                draft_x.append([1.0, b])
+                draft_t.append(sample["draft"])
+    verify_coef = _fit(verify_x, verify_t) if len(verify_t) >= 3 else (statistics.mean(verify_t), 0.0, 0.0)
+    draft_coef = _fit(draft_x, draft_t) if len(draft_t) >= 2 else ((draft_t[0] if draft_t else 0.0), 0.0)
+    return CostModel(verify_coef, draft_coef, samples)
+
+
+def load_or_profile(runner, cache_dir=None, **profile_kwargs) -> CostModel:
+    """The cached cost model for a model runner's models (`runner.target`, `runner.drafter`) and this hardware,
+    profiling (and caching) it when absent. `runner`: a `ModelRunner` (an engine's is `engine.runner`)."""
+    key = hardware_key(runner.target, runner.drafter)
+    path = Path(cache_dir or default_cache_dir()) / f"{key}.json"
+    if path.is_file():
+        try:
+            return CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError):
+            pass  # a damaged cache file is re-measured
+    model = profile_cost_model(runner, **profile_kwargs)
+    model.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(model.to_dict(), indent=1))
+    tmp.replace(path)
+    return model
+
+
+def parse_verify(verify) -> tuple[str, int | None]:
+    """`"auto"` → D-Cut with the cost model; an int → fixed budget of draft tokens per step; `"depth:K"` → every
+    request verifies up to K draft tokens; `"full"` → the whole block (plain speculative decoding)."""
+    if verify == "auto" or verify == "full":
+        return verify, None
+    if isinstance(verify, int) and not isinstance(verify, bool) and verify >= 0:
+        return "budget", verify
+    if isinstance(verify, str) and verify.startswith("depth:") and verify[6:].isdigit():
+        return "depth", int(verify[6:])
+    if isinstance(verify, str) and verify.isdigit():
+        return "budget", int(verify)
+    raise ValueError(f"verify must be 'auto', 'full', an integer budget >= 0 or 'depth:K', got {verify!r}")
+
+
+# ---- D-Cut, and why it stays exact for sampled requests ------------------------------------------------------------
+# Rejection sampling (Leviathan et al.) emits a token distributed as the target's p at draft position k only if the
+# draft token d_k is distributed as q_k *given that position k is verified*. So whether k is verified may depend
+# on anything known before d_k is drawn (the drafted prefix d_<k, the drafter's distribution q_k, calibrated
+# statistics, other requests' drafts, which use their own random streams) but never on d_k or later tokens. The
+# two rules below keep that: the confidence of position k is a function of q_k alone (`draft_confidence`), and in
+# "auto" mode a sampled request verifies every position whose survival clears a threshold planned without its
+# own later positions (`plan_acceptance`). Ranking by q(d_k) — the probability of the token actually drawn — made
+# verification favour tokens the drafter over-proposes and skewed the output (issue 11). Greedy requests have no
+# randomness to bias and keep every signal. Fixed budgets are exact as they are: with draft-independent keys a
+# position is chosen when fewer than `budget` keys rank above it, and a row's later keys never rank above it.
+# (`SpeculativeEngine.draft_confidence` / `.plan_acceptance` call these; a subclass may swap a rule, as tests do.)
+
+def draft_confidence(probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """D-Cut's confidence `[B]` in a drafted position: the peak of the drafter's distribution `probs [B, V]` there
+    (for a greedy row, the probability of its argmax draft `token`; for a sampled row known before drawing)."""
+    return probs.max(-1).values
+
+
+def plan_acceptance(accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """The acceptance probabilities `[B, K]` "auto" mode plans the step with: a sampled row's own positions after
+    the first depend on its drawn tokens, so it is planned as if every position were as likely as its first."""
+    return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
+
+
+class DCutPolicy:
+    """D-Cut's decisions for one engine, in its verify mode (`parse_verify`): "auto" (budget from the cost model,
+    with back-off to plain steps), a fixed token budget, a fixed depth, or every drafted token ("full").
+
+    `load_cost_model()` gives the cost model when it is first needed (profiling the model runner); n-gram lookups
+    replace a row's drafted block when `lookup_tokens` > 0, their confidence (matched n-gram length /
+    `lookup_max_ngram`) calibrated on its own."""
+
+    def __init__(self, mode: str, mode_value: int | None, *, cost_model: CostModel | None = None,
+                 load_cost_model=None, calibrator: AcceptanceCalibrator | None = None, probe_every: int = 8,
+                 lookup_tokens: int = 0, lookup_max_ngram: int = 3):
+        if lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
+        self.mode, self.mode_value = mode, mode_value
+        self._cost_model, self._load_cost_model = cost_model, load_cost_model
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.lookup_calibrator = AcceptanceCalibrator(prior=0.5)
+        self.lookup_tokens, self.lookup_max_ngram = lookup_tokens, lookup_max_ngram
+        self.probe_every = probe_every
+        self.plain_steps_left = 0
+        self._backoff = probe_every
+        self.max_backoff = 8 * probe_every
+
+    @property
+    def cost_model(self) -> CostModel:
+        if self._cost_model is None:
+            self._cost_model = self._load_cost_model()
+        return self._cost_model
+
+    # ---- before drafting ---------------------------------------------------------------------------------------------
+    def should_draft(self) -> bool:
+        """False while backing off (a plain step is taken instead; "auto" mode only)."""
+        if self.mode != "auto":
+            return True
+        if self.plain_steps_left > 0:
+            self.plain_steps_left -= 1
+            return False
+        return True
+
+    def draft_width(self, num_draft_tokens: int) -> int:
+        if self.mode in ("depth", "budget"):  # no row ever verifies more: do not draft more
+            return min(num_draft_tokens, self.mode_value)
+        return num_draft_tokens
+
+    def drafting_bound(self, remaining, rows: int, base_tokens: int, n_dec: int):
+        """`keep_going` for drafting in "auto" mode (None otherwise): position j + 1 can be worth verifying only while
+        some decoding request's calibrated survival through j is at least `c · n_dec / verify(rows, base_tokens)` (an
+        extra verified token costs c seconds; below that bound it adds fewer tokens per second than a plain step
+        makes). Survival uses the confidences of positions up to j, known before token j is drawn, so stopping here
+        keeps sampling exact. remaining `[n_dec]`: tokens each decoding request may still generate."""
+        if self.mode != "auto":
+            return None
+        cost = self.cost_model
+        bound = cost.verify_coef[2] * n_dec / cost.verify(rows, base_tokens)
+        survival = torch.ones(len(remaining), device=remaining.device)
+
+        def keep_going(conf, j):
+            nonlocal survival
+            survival = survival * self.calibrator.at(conf, j)
+            return bool(((survival >= bound) & (remaining - 1 > j + 1)).any())
+
+        return keep_going
+
+    @property
+    def uses_lookup(self) -> bool:
+        return bool(self.lookup_tokens) and self.mode != "depth"
+
+    def lookup(self, requests, remaining, sampled, tokens, probs, conf, span: int, plan=plan_acceptance):
+        """Give each decode request the n-gram lookup continuation of its context (the tokens that followed the latest
+        earlier occurrence of its last `lookup_max_ngram` or fewer tokens, at most `span`) in place of the drafter's
+        block, where the lookup is expected to have more tokens accepted. Returns the new `tokens, probs, conf`, which
+        rows took a lookup `[B]` and how many positions each row carries `[B]`.
+
+        Exact for sampled requests: a lookup is a deterministic proposal (its q is one-hot), and the choice reads only
+        what is known before the drafter's first token was drawn (the lookup's own calibrated acceptance, and the
+        drafter's as `plan` plans it: from its first position's confidence)."""
+        width, dev = tokens.shape[1], tokens.device
+        found = [ngram_continuation(torch.tensor(r.prompt + r.generated), self.lookup_max_ngram,
+                                    max(0, min(span, left - 1))) for r, left in zip(requests, remaining.tolist())]
+        lengths = torch.tensor([len(cont) for cont, _ in found], device=dev)
+        if not bool((lengths > 0).any()):
+            return tokens, probs, conf, torch.zeros_like(lengths, dtype=torch.bool), torch.full_like(lengths, width)
+        wide = max(width, int(lengths.max()))
+        l_tokens = torch.zeros(len(requests), wide, dtype=torch.long, device=dev)
+        for i, (cont, _) in enumerate(found):
+            l_tokens[i, : len(cont)] = torch.tensor(cont, dtype=torch.long, device=dev)
+        valid = torch.arange(wide, device=dev)[None, :] < lengths[:, None]
+        matched = torch.tensor([n for _, n in found], device=dev) / self.lookup_max_ngram
+        l_conf = torch.where(valid, matched[:, None].expand(-1, wide), torch.zeros((), device=dev))
+        l_expected = (torch.cumprod(self.lookup_calibrator(l_conf), 1) * valid).sum(1)
+        d_expected = torch.cumprod(plan(self.calibrator(conf), sampled), 1).sum(1) if width else 0.0
+        use = (lengths > 0) & (l_expected > d_expected)
+
+        def widen(x):
+            return torch.cat([x, x.new_zeros(x.shape[0], wide - width, *x.shape[2:])], 1)
+
+        tokens = torch.where(use[:, None], l_tokens, widen(tokens))
+        conf = torch.where(use[:, None], l_conf, widen(conf))
+        if probs is not None:
+            one_hot = torch.zeros_like(widen(probs)).scatter_(2, l_tokens[..., None], 1.0)
+            probs = torch.where(use[:, None, None], one_hot, widen(probs))
+        return tokens, probs, conf, use, torch.where(use, lengths, torch.full_like(lengths, width))
+
+    # ---- choosing what to verify -------------------------------------------------------------------------------------
+    def acceptance(self, conf, lookup):
+        """Calibrated acceptance `[B, K]` of every drafted position (None when nothing was drafted): the drafter's
+        calibration, or the lookup's for rows that carry an n-gram lookup."""
+        if conf is None or conf.shape[1] == 0:
+            return None
+        accept = self.calibrator(conf)
+        if lookup is not None and bool(lookup.any()):
+            accept = torch.where(lookup[:, None], self.lookup_calibrator(conf), accept)
+        return accept
+
+    def select(self, accept, num_drafted, rows: int, base_tokens: int, n_dec: int, sampled, plan=plan_acceptance):
+        """How many draft tokens each row verifies, `depth [B]`, and every position's survival `[B, K]`, for a step of
+        `rows` requests whose target forward has `base_tokens` tokens before any draft (`n_dec` rows decoding)."""
+        if self.mode == "depth":
+            return num_drafted.clamp(max=self.mode_value), torch.cumprod(accept, 1)
+        if self.mode == "full":
+            return num_drafted.clone(), torch.cumprod(accept, 1)
+        if self.mode == "budget":
+            depth, survival, _ = kernels.dcut_select(accept, num_drafted, self.mode_value)
+            return depth, survival
+        return self._select_auto(accept, num_drafted, rows, base_tokens, n_dec, sampled, plan)
+
+    def _select_auto(self, accept, num_drafted, rows, base_tokens, n_dec, sampled, plan):
+        """The budget that maximises expected tokens per second under the cost model, planned with `plan`; a sampled
+        row verifies every position whose survival clears the plan's lowest chosen survival."""
+        max_extra = int(num_drafted.sum())
+        costs = self.cost_model.step_costs(rows, base_tokens, max_extra, drafted=True, device=accept.device)
+        depth, planned, chosen = kernels.dcut_select(plan(accept, sampled), num_drafted, max_extra, costs, float(n_dec))
+        ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
+        valid = ar < num_drafted[:, None]
+        survival = torch.where(valid, torch.cumprod(accept.float(), 1), torch.zeros((), device=valid.device))
+        # sampled rows: every position whose survival clears the plan's lowest chosen survival (none: +inf)
+        threshold = torch.where(ar < depth[:, None], planned, torch.full_like(planned, float("inf"))).amin()
+        depth = torch.where(sampled, ((survival >= threshold) & valid).sum(1), depth)
+        self._back_off_if_plain_wins(planned, chosen, costs, rows, base_tokens, n_dec)
+        return depth, survival
+
+    def _back_off_if_plain_wins(self, planned, chosen, costs, rows, base_tokens, n_dec) -> None:
+        """Would plain decoding (no drafting at all) have done better? Then skip drafting for a while."""
+        gain = float(n_dec + (planned.reshape(-1).sort(descending=True).values[: int(chosen)].sum()))
+        speculative_rate = gain / float(costs[int(chosen)])
+        plain_rate = n_dec / self.cost_model.verify(rows, base_tokens)
+        if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing
+            self.plain_steps_left = self._backoff
+            self._backoff = min(2 * self._backoff, self.max_backoff)
+        else:
+            self._backoff = self.probe_every
+
+    # ---- after verification ------------------------------------------------------------------------------------------
+    def observe(self, conf, depth, num_accepted, drafted_rows, lookup) -> None:
+        """Calibrate on the step's outcomes: the rows that drafted (`drafted_rows [B]` bool), each with the calibrator
+        of what it verified (the drafter's block, or an n-gram lookup where `lookup [B]`)."""
+        for calibrator, chosen in ((self.calibrator, drafted_rows if lookup is None else drafted_rows & ~lookup),
+                                   (self.lookup_calibrator, None if lookup is None else drafted_rows & lookup)):
+            if chosen is not None and bool(chosen.any()):
+                calibrator.update(conf[chosen], depth[chosen], num_accepted[chosen])

@@ -1,0 +1,152 @@
+"""The scheduler decides who runs: requests wait in arrival order, join the running batch while a slot is free and
+their prompts fit the step's prefill budget, and leave it when they finish or are cancelled. Each step it hands the
+engine a `ScheduledBatch` (requests to prefill first, then those decoding), and afterwards advances every request by
+the tokens verification emitted for it, applying stop ids and the length limit.
+
+It knows nothing of models: freeing a finished request's memory is the `release(slot)` callback it is given."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .request import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, Request, TokenEvent
+
+
+@dataclass
+class ScheduledBatch:
+    """The requests one step runs: the `num_prefill` new ones (their prompts are prefilled) first, then those
+    decoding, each group in slot order."""
+
+    requests: list[Request]
+    slots: torch.Tensor  # [B]
+    num_prefill: int
+    remaining: torch.Tensor  # [B] tokens each request may still generate
+    sampled: torch.Tensor  # [B] bool: the request samples (else greedy)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.requests) - self.num_prefill
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """The prompts of the requests prefilled this step."""
+        return [r.prompt for r in self.requests[: self.num_prefill]]
+
+    @property
+    def base_tokens(self) -> int:
+        """Tokens of the step's target forward before any draft token: prompts prefilled, one per decoding row."""
+        return sum(len(p) for p in self.prompts) + self.num_decode
+
+
+class Scheduler:
+    def __init__(self, max_batch_size: int, max_prefill_tokens: int, release: Callable[[int], None]):
+        self.max_prefill_tokens = max_prefill_tokens
+        self.release = release  # frees what a finished request's slot holds (KV pages, drafter state)
+        self._ids = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.requests: dict[int, Request] = {}  # id -> request, waiting or running
+        self.free_slots = list(range(max_batch_size - 1, -1, -1))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.id] = request
+        self.waiting.append(request)
+
+    def cancel(self, request_id: int) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.cancelled = True
+
+    def drop_cancelled(self) -> list[TokenEvent]:
+        """Remove cancelled requests, waiting or running; a finishing event for each."""
+        events = []
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            self.requests.pop(request.id, None)
+            events.append(TokenEvent(request.id, [], [], [], True, FINISH_CANCELLED))
+        for slot, request in list(self.running.items()):
+            if request.cancelled:
+                self.finish(request)
+                events.append(TokenEvent(request.id, [], [], [], True, FINISH_CANCELLED))
+        return events
+
+    def admit(self) -> None:
+        """Waiting requests join, in order, while a slot is free and their prompts fit `max_prefill_tokens`."""
+        budget = self.max_prefill_tokens
+        while self.waiting and self.free_slots and len(self.waiting[0].prompt) <= budget:
+            request = self.waiting.popleft()
+            budget -= len(request.prompt)
+            request.slot = self.free_slots.pop()
+            self.running[request.slot] = request
+
+    def schedule(self, device) -> ScheduledBatch | None:
+        """This step's batch (None when nothing runs)."""
+        if not self.running:
+            return None
+        slots_all = sorted(self.running)
+        prefill = [s for s in slots_all if not self.running[s].prefilled]
+        decode = [s for s in slots_all if self.running[s].prefilled]
+        order = prefill + decode
+        requests = [self.running[s] for s in order]
+        slots = torch.tensor(order, dtype=torch.long, device=device)
+        remaining = torch.tensor([r.params.max_new_tokens - len(r.generated) for r in requests], device=device)
+        sampled = torch.tensor([r.params.do_sample for r in requests], device=device)
+        return ScheduledBatch(requests, slots, len(prefill), remaining, sampled)
+
+    def finish(self, request: Request) -> None:
+        slot = request.slot
+        self.running.pop(slot, None)
+        self.requests.pop(request.id, None)
+        self.release(slot)
+        self.free_slots.append(slot)
+
+    def update(self, requests: list[Request], emitted: list[list[int]], num_accepted: list[int],
+               logprobs: list[list[float]], top: list | None) -> list[TokenEvent]:
+        """Advance each request by its accepted drafts and the token after them (a request prefilled this step: by its
+        first token), cut at a stop id or the length limit; finish those that ended. One event per request."""
+        events = []
+        for row, (request, tokens, n, lps) in enumerate(zip(requests, emitted, num_accepted, logprobs)):
+            first_step = not request.prefilled
+            request.prefilled = True
+            count = 1 if first_step else n + 1
+            tokens, lps = tokens[:count], lps[:count]
+            from_draft = [False] if first_step else [True] * n + [False]
+            room = request.params.max_new_tokens - len(request.generated)
+            reason = None
+            for i, token in enumerate(tokens):
+                if token in request.stop:
+                    count, reason = i + 1, FINISH_EOS
+                    break
+            if reason is None and count >= room:
+                count, reason = room, FINISH_LENGTH
+            tokens, lps, from_draft = tokens[:count], lps[:count], from_draft[:count]
+            request.generated.extend(tokens)
+            if request.penalties is not None:
+                request.penalties.add(tokens)
+            top_tokens = top[row][:count] if top is not None and top[row] is not None else None
+            events.append(TokenEvent(request.id, tokens, lps, from_draft, reason is not None, reason, top_tokens))
+            if reason is not None:
+                self.finish(request)
+        return events

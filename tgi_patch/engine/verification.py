@@ -1,0 +1,119 @@
+"""The engine's sampler: where each request's sampling parameters meet the models' logits, for the whole batch.
+
+* Drafting (`draft_selector`): each draft token is the drafter's argmax for a greedy request, or a draw from the
+  drafter's distribution processed with the request's temperature / top-k / top-p (its q) for a sampled one, with the
+  request's own random stream; D-Cut's confidence comes with it.
+* Verification (`verify_drafts`): the target's logits at every verified position, penalised position by position,
+  processed like the drafter's for sampled requests, decide in one call for the ragged batch (`kernels.verify`:
+  greedy acceptance, or exact rejection sampling; the spec is `kernels/reference.py`) how many drafts each request
+  keeps and the token after them; with the log-probability of every emitted token and, where asked for, the most
+  likely tokens at each position.
+
+The distributions and random numbers themselves are `sampling.py`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .sampling import ACCEPT, DRAFT, RESAMPLE, apply_penalties, process_logits, sample_from, uniforms
+
+
+def process_requests(logits, requests, span: int) -> torch.Tensor:
+    """Sampling probabilities `[N, V]` of `logits [N, V]` holding `span` consecutive rows per request, each processed
+    with its request's temperature, top-k and top-p (a greedy request's at temperature 1)."""
+    temperature = torch.tensor([r.params.temperature if r.params.do_sample else 1.0 for r in requests],
+                               device=logits.device).repeat_interleave(span)
+    top_k = torch.tensor([r.params.top_k for r in requests], device=logits.device).repeat_interleave(span)
+    top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device).repeat_interleave(span)
+    return process_logits(logits, temperature, top_k, top_p)
+
+
+def penalise(raw, draft, requests):
+    """`raw [B, span, V]` with each penalised request's rows penalised position by position (`apply_penalties`)."""
+    rows = [i for i, r in enumerate(requests) if r.penalties is not None]
+    if not rows:
+        return raw
+    sub = [requests[i] for i in rows]
+    index = torch.tensor(rows, device=raw.device)
+
+    def per_request(name):
+        return torch.tensor([getattr(r.params, name) for r in sub], device=raw.device)
+
+    raw = raw.float().clone()
+    raw[index] = apply_penalties(raw[index], draft[index], torch.stack([r.penalties.seen for r in sub]),
+                                 torch.stack([r.penalties.counts for r in sub]), per_request("repetition_penalty"),
+                                 per_request("frequency_penalty"), per_request("presence_penalty"))
+    return raw
+
+
+def draft_selector(requests, device, process, confidence):
+    """`select(logits [B, V], j)` for `BatchDrafter.draft` over `requests`: draft token j of each request (its
+    argmax when greedy, else a draw from `process(logits, requests, 1)` with its seed at its position j), that q
+    (None when every request is greedy) and D-Cut's `confidence(probs, token)` there."""
+    greedy = torch.tensor([not r.params.do_sample for r in requests], device=device)
+    all_greedy = bool(greedy.all())
+    seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
+    gen_pos = torch.tensor([len(r.generated) for r in requests], device=device)
+
+    def select(logits, j):
+        if all_greedy:
+            probs = torch.softmax(logits.float(), -1)
+            token = probs.argmax(-1)
+            return token, None, confidence(probs, token)
+        probs = process(logits, requests, 1)
+        sampled = sample_from(probs, uniforms(seeds, gen_pos + j, DRAFT))
+        token = torch.where(greedy, logits.argmax(-1), sampled)
+        greedy_probs = torch.softmax(logits.float(), -1)
+        conf = torch.where(greedy, confidence(greedy_probs, token), confidence(probs, token))
+        return token, probs, conf
+
+    return select
+
+
+@dataclass
+class Verified:
+    num_accepted: torch.Tensor  # [B] draft tokens accepted per request
+    next_token: torch.Tensor  # [B] the token after them (correction or bonus)
+    emitted: torch.Tensor  # [B, span] the accepted drafts, then the next token (the rest: padding)
+    logprobs: torch.Tensor  # [B, span] log-probability of each emitted token under the (penalised) target logits
+    top: list | None  # `top_tokens`
+
+
+def verify_drafts(raw, draft, draft_probs, depth, requests, process=process_requests) -> Verified:
+    """Verify each request's first `depth [B]` draft tokens `draft [B, K]` (q: `draft_probs [B, K, V]` or None when
+    every request is greedy) against the target's logits `raw [B, span, V]` at its verified positions (row j: the
+    token after draft j - 1), with `process` the per-request processing of `process_requests`'s signature."""
+    span, dev = raw.shape[1], raw.device
+    ar = torch.arange(span, device=dev)[None, :]
+    raw = penalise(raw, draft, requests)
+    greedy = torch.tensor([not r.params.do_sample for r in requests], device=dev)
+    seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=dev)
+    gen_pos = torch.tensor([len(r.generated) for r in requests], device=dev)[:, None] + ar
+    scores = raw
+    if not bool(greedy.all()):
+        probs = process(raw.reshape(-1, raw.shape[-1]), requests, span).reshape(raw.shape)
+        scores = torch.where(greedy[:, None, None], raw, probs)
+    draft_v = draft[:, : span - 1]
+    q = draft_probs[:, : span - 1] if draft_probs is not None else None
+    num_accepted, next_token = kernels.verify(
+        scores, draft_v, q, depth, greedy, uniforms(seeds[:, None], gen_pos[:, : span - 1], ACCEPT),
+        uniforms(seeds[:, None], gen_pos, RESAMPLE),
+    )
+    emitted = torch.cat([draft_v, draft_v.new_zeros(len(requests), 1)], 1)
+    emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
+    log_probs = torch.log_softmax(raw.float(), -1)
+    logprobs = log_probs.gather(-1, emitted[..., None]).squeeze(-1)
+    return Verified(num_accepted, next_token, emitted, logprobs, top_tokens(log_probs, requests))
+
+
+def top_tokens(log_probs, requests):
+    """`[B][span]` lists of (id, logprob) of the n most likely tokens for requests asking for them, else None."""
+    n = max(r.params.top_n_tokens for r in requests)
+    if n == 0:
+        return None
+    values, ids = log_probs.topk(min(n, log_probs.shape[-1]), dim=-1)
+    return [[list(zip(i[: r.params.top_n_tokens], v[: r.params.top_n_tokens])) for i, v in zip(ii, vv)]
+            if r.params.top_n_tokens else None for r, ii, vv in zip(requests, ids.tolist(), values.tolist())]

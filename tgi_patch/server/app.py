@@ -1,0 +1,275 @@
+"""The HTTP layer of `angelspec serve`: `create_app(engine, tokenizer, model_id)` wires `TGIServer` (`serving.py`) into
+a FastAPI app: TGI's routes, the payload limit and request metrics as middleware, every error as TGI's
+`{"error", "error_type"}`, the engine's worker thread started and stopped with the app's lifespan, this server's own
+limits filled into the OpenAPI schema; `serve` runs it under uvicorn, `running_in_thread` in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager, contextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+
+from . import protocol
+from .errors import ServingError
+from .metrics import ServingMetrics
+from .protocol import ChatRequest, CompletionRequest, GenerateRequest, TokenizeRequest
+from .serving import Job, TGIServer, server_version
+from .text import check_text
+
+ROUTES = ("/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
+          "/info", "/health", "/metrics")
+
+
+class _MetricsMiddleware:
+    """Counts requests by route and status and times them to the last byte (streams included)."""
+
+    def __init__(self, app, metrics: ServingMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        start, status = time.perf_counter(), 500
+
+        async def send_and_record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"Input validation error: malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}"
+        where = ".".join(str(x) for x in err.get("loc", ())[1:]) or "body"
+        parts.append(f"`{where}`: {err['msg']}")
+    return "Input validation error: " + "; ".join(parts)
+
+
+class _PayloadLimitMiddleware:
+    """Refuses a request body over `limit` bytes (TGI's `--payload-limit`) with a 413, without reading it whole: the
+    error is raised from `receive`, inside the route, so the app's exception handlers answer it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared, received = dict(scope["headers"]).get(b"content-length", b""), 0
+
+        async def limited_receive():
+            nonlocal received
+            message = None if declared.isdigit() and int(declared) > self.limit else await receive()
+            received += len(message.get("body", b"")) if message else 0
+            if message is None or received > self.limit:
+                raise HTTPException(413, f"Input validation error: the request body is larger than the payload "
+                                         f"limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+_HTTP_ERROR_TYPES = {400: "validation", 404: "not_found", 405: "method_not_allowed", 413: "validation"}
+
+
+def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024, max_total_tokens: int = 2048,
+               max_concurrent_requests: int = 128, max_stop_sequences: int = 4, max_stop_length: int = 256,
+               max_payload_bytes: int = 2_000_000, max_client_batch_size: int = 4, info_extra: dict | None = None,
+               graceful_shutdown_s: float = 30.0) -> FastAPI:
+    """A FastAPI app serving `engine` (a `SpeculativeEngine` or anything with its interface) over TGI's protocol.
+
+    The limits are TGI's (`/info` reports them), plus `max_stop_length` (characters per stop string) and
+    `max_payload_bytes` (request body; TGI's `--payload-limit`); `max_client_batch_size` prompts per `/v1/completions`
+    request. The engine's worker thread starts and stops with the app's lifespan (uvicorn runs it); on shutdown, open
+    streams get `graceful_shutdown_s` to finish, then are cut, and whatever the engine still runs ends as
+    `incomplete_generation`."""
+    server = TGIServer(engine, tokenizer, model_id, max_input_tokens=max_input_tokens,
+                       max_total_tokens=max_total_tokens, max_concurrent_requests=max_concurrent_requests,
+                       max_stop_sequences=max_stop_sequences, max_stop_length=max_stop_length,
+                       max_client_batch_size=max_client_batch_size, info_extra=info_extra,
+                       graceful_shutdown_s=graceful_shutdown_s)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.worker.start()
+        yield
+        await asyncio.to_thread(server.worker.shutdown, graceful_shutdown_s)
+
+    app = FastAPI(title="angelspec-hf", version=server_version(), lifespan=lifespan,
+                  description="TGI's protocol on a batched speculative engine; every error is TGI's "
+                              "`{error, error_type}`.")
+    app.state.server = server
+    app.add_middleware(_PayloadLimitMiddleware, limit=max_payload_bytes)
+    app.add_middleware(_MetricsMiddleware, metrics=server.metrics)
+
+    _add_error_handlers(app)
+    _add_generation_routes(app, server)
+    _add_service_routes(app, server, tokenizer, model_id)
+    _document_limits(app, max_stop_sequences, max_stop_length, max_client_batch_size)
+    return app
+
+
+def _error(message: str, error_type: str, status: int, headers=None) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error TGI-shaped: `{"error", "error_type"}` with its status."""
+
+    @app.exception_handler(RequestValidationError)
+    async def on_bad_body(request, exc):
+        return _error(_validation_message(exc), "validation", 422)
+
+    @app.exception_handler(ServingError)
+    async def on_serving_error(request, exc):
+        return _error(str(exc), exc.error_type, exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request, exc):  # no such route or method, a body FastAPI could not parse, 413
+        message = exc.detail
+        if exc.status_code == 400 and exc.__cause__ is not None:  # invalid UTF-8, JSON nested too deep
+            message = f"Input validation error: the body is not valid JSON: {exc.__cause__}"
+        return _error(message, _HTTP_ERROR_TYPES.get(exc.status_code, "http"), exc.status_code, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, exc):  # a bug: still TGI-shaped (starlette logs the traceback)
+        return _error(f"Internal server error: {type(exc).__name__}", "internal", 500)
+
+
+def _add_generation_routes(app: FastAPI, server: TGIServer) -> None:
+    """`/generate`, `/generate_stream`, `/` (TGI) and `/v1/chat/completions`, `/v1/completions` (OpenAI)."""
+
+    async def generate_job(body: GenerateRequest) -> Job:
+        return await server.off_loop(server.generate_job, body)
+
+    async def stream_tgi(body: GenerateRequest):
+        job = await generate_job(body)
+        return await server.stream(job, server.tgi_events(body, job))
+
+    @app.post("/generate", responses=protocol.GENERATE_DOC)
+    async def generate(body: GenerateRequest, request: Request):
+        return server.tgi_response(body, await server.complete(await generate_job(body), request))
+
+    @app.post("/generate_stream", response_class=EventSourceResponse, responses=protocol.STREAM_DOC)
+    async def generate_stream(body: GenerateRequest):
+        return await stream_tgi(body)
+
+    @app.post("/", responses=protocol.COMPAT_DOC)
+    async def compat_generate(body: GenerateRequest, request: Request):
+        if body.stream:
+            return await stream_tgi(body)
+        return [server.tgi_response(body, await server.complete(await generate_job(body), request))]
+
+    @app.post("/v1/chat/completions", responses=protocol.CHAT_DOC)
+    async def chat_completions(body: ChatRequest, request: Request):
+        job = await server.off_loop(server.chat_job, body)
+        if body.stream:
+            return await server.stream(job, server.chat_events(body, job))
+        return server.chat_response(body, await server.complete(job, request))
+
+    @app.post("/v1/completions", responses=protocol.COMPLETIONS_DOC)
+    async def completions(body: CompletionRequest, request: Request):
+        jobs = await server.off_loop(server.completion_jobs, body)
+        if body.stream:
+            return await server.stream(jobs, server.completion_events(body, jobs))
+        return server.completion_response(await server.complete_all(jobs, request))
+
+
+def _add_service_routes(app: FastAPI, server: TGIServer, tokenizer, model_id: str) -> None:
+    """`/tokenize`, `/info`, `/v1/models`, `/health`, `/metrics`."""
+
+    def tokens(body: TokenizeRequest) -> list[dict]:
+        enc = tokenizer(check_text(body.inputs, "inputs"), add_special_tokens=body.add_special_tokens,
+                        return_offsets_mapping=True)
+        return [{"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
+                for i, (a, b) in zip(enc.input_ids, enc.offset_mapping)]
+
+    @app.post("/tokenize", responses={200: {"model": list[protocol.TokenizedToken]}} | protocol.BODY_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        return await server.off_loop(tokens, body)
+
+    @app.get("/info", responses={200: {"model": protocol.Info}})
+    async def info():
+        return server.info()
+
+    @app.get("/v1/models", responses={200: {"model": protocol.ModelList}})
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+                                            "owned_by": "angelspec-hf"}]}
+
+    @app.get("/health", response_class=Response, responses=protocol.HEALTH_DOC)
+    async def health():
+        if server.worker.alive:
+            return Response(status_code=200)
+        return _error(f"the engine worker is not running: {server.worker.failure}", "healthcheck", 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=protocol.METRICS_DOC)
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _document_limits(app: FastAPI, max_stop_sequences: int, max_stop_length: int, max_client_batch_size: int) -> None:
+    """This server's own limits in the OpenAPI schema."""
+    schemas = app.openapi()["components"]["schemas"]
+    stop = protocol.stop_schema(max_stop_sequences, max_stop_length)
+    schemas["GenerateParameters"]["properties"]["stop"].update(stop)
+    for name in ("ChatRequest", "CompletionRequest"):
+        schemas[name]["properties"]["stop"]["anyOf"] = [stop["items"], stop, {"type": "null"}]
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    next(p for p in prompt if p.get("type") == "array").update(minItems=1, maxItems=max_client_batch_size)
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+          graceful_shutdown_s: int = 35) -> None:
+    """Runs `app` under uvicorn until interrupted (SIGINT/SIGTERM): it stops accepting connections, lets in-flight
+    requests finish for up to `graceful_shutdown_s` (streams get the app's own, shorter, grace), then stops the
+    engine thread."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s)
+
+
+@contextmanager
+def running_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
+    """Runs `app` under uvicorn on a background thread (tests, benchmarks); yields its base URL, and on exit shuts
+    it down the way a signal would (in-flight requests finish, then the lifespan stops the engine worker)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(timeout_s)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
