@@ -80,6 +80,60 @@ def test_auto_mode_stops_drafting_where_no_position_could_be_verified(targets, f
     assert rid == 0 and drafted and max(drafted) == 2 < drafter.num_draft_tokens
 
 
+def test_measured_rates_back_off_when_speculation_delivers_less_than_plain():
+    """The cost model may promise more than a machine delivers: speculative steps measured slower than plain ones at a
+    batch size start a back-off (doubling while they keep losing), other batch sizes are judged on their own, and a
+    batch size without a plain measurement takes one plain step in `probe_every` to get one."""
+    from angelspec_hf.tgi_patch.engine.dcut import DCutPolicy
+
+    policy = DCutPolicy("auto", None, cost_model=FIXED_COST, probe_every=4)
+    assert all(policy.should_draft(16) for _ in range(10))  # nothing measured yet: the plan decides
+    policy.observe_step(True, 0, 16, decode_tokens=20, seconds=1.0)
+    assert [policy.should_draft(16) for _ in range(8)] == [True, True, True, False] * 2  # plain measured 1 in 4
+    policy.observe_step(True, 2, 16, decode_tokens=1, seconds=1.0)  # a step that also prefilled: not comparable
+    policy.observe_step(False, 0, 16, decode_tokens=16, seconds=0.5)  # plain: 32 tok/s > speculative 20
+    assert [policy.should_draft(16) for _ in range(5)] == [False] * 4 + [True]  # backed off for probe_every steps
+    assert [policy.should_draft(16) for _ in range(9)] == [False] * 8 + [True]  # still losing: twice as long
+    assert policy.should_draft(1)  # another batch size is measured apart
+    for _ in range(20):  # speculation now delivers more (a better drafter, a quieter machine)
+        policy.observe_step(True, 0, 16, decode_tokens=60, seconds=1.0)
+    assert all(policy.should_draft(16) for _ in range(10))
+    off = DCutPolicy("auto", None, cost_model=FIXED_COST, measure=False)
+    off.observe_step(True, 0, 16, decode_tokens=1, seconds=1.0)
+    off.observe_step(False, 0, 16, decode_tokens=16, seconds=0.5)
+    assert all(off.should_draft(16) for _ in range(10))
+
+
+def test_slow_drafting_is_measured_and_mostly_skipped(targets):
+    """End to end: with drafting made 30 ms slower than this machine's tiny-model steps, the cost model (which knows
+    nothing of it) keeps planning speculation, the measured rates turn most steps plain, and output stays exact."""
+    import time
+
+    target, twin = targets
+    drafter = tiny_drafter("dfly", target)
+    engine = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=4, cost_model=FIXED_COST)
+    draft = engine.runner.draft
+
+    def slow_draft(*args, **kwargs):
+        time.sleep(0.03)
+        return draft(*args, **kwargs)
+
+    engine.runner.draft = slow_draft
+    prompts = [[5, 17, 33, 8], [9, 9, 4], [40, 41, 42, 43, 44], [7]]
+    outputs = generate_batch_with(engine, prompts, 40)
+    assert outputs == [plain_greedy(twin, p, 40) for p in prompts]
+    assert engine.stats["speculative_steps"] / engine.stats["steps"] < 0.5, engine.stats
+
+
+def generate_batch_with(engine, prompts, max_new_tokens):
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
+    outputs = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            outputs[event.request_id].extend(event.token_ids)
+    return [outputs[i] for i in ids]
+
+
 def test_budget_zero_is_plain_decoding_and_budgets_are_respected(targets):
     target, _ = targets
     drafter = tiny_drafter("dfly", target)

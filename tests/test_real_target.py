@@ -59,12 +59,14 @@ def test_the_cached_embedded_target_is_the_gguf(tmp_path, monkeypatch):
             gguf_tok.apply_chat_template(chat, add_generation_prompt=True)
 
 
-@pytest.mark.parametrize("cls", [MTPDrafter, DFlashDrafter, DFlyDrafter])
-def test_greedy_identity_on_real_prompts(real, cls):
+@pytest.mark.parametrize("index,cls", enumerate([MTPDrafter, DFlashDrafter, DFlyDrafter]))
+def test_greedy_identity_on_real_prompts(real, index, cls):
+    """Every family, whole blocks drafted and verified every round, on a third of the prompts each (chat, code and
+    math for every family; all ten prompts across the three)."""
     target, _, inputs, plain = real
     torch.manual_seed(0)
-    drafter = cls.from_target(target).eval()
-    for ids, ref in zip(inputs, plain):
+    drafter = cls.from_target(target, draft_length="full").eval()
+    for ids, ref in list(zip(inputs, plain))[index::3]:
         out = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, ref)
 

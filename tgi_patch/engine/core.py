@@ -50,9 +50,17 @@ class Proposal:
 
 
 class SpeculativeEngine:
+    """Continuous batching with speculative decoding: `add_request`, then `step()` until `has_work` is False.
+
+    `verify`: "auto" (D-Cut: the verification budget that maximises expected tokens per second under the cost model,
+    backing off to plain steps when speculation does not pay, planned or measured), "budget:N", "depth:N" or "full".
+    `cost_model`: a fixed `CostModel` (else profiled once and cached in `cost_model_cache`). `lookup_tokens`: n-gram
+    lookup proposals (default: the drafter config's). `measure_rates=False` turns off the measured-rate back-off
+    (decisions then do not depend on this machine's timing)."""
+
     def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
                  cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
-                 lookup_tokens: int | None = None):
+                 lookup_tokens: int | None = None, measure_rates: bool = True):
         if drafter is not None:
             drafter.check_target(target)
         mode, mode_value = parse_verify(verify)
@@ -74,7 +82,8 @@ class SpeculativeEngine:
             mode, mode_value, cost_model=cost_model, calibrator=calibrator, probe_every=probe_every,
             load_cost_model=lambda: load_or_profile(self.runner, cost_model_cache),
             lookup_tokens=config_lookup if lookup_tokens is None else lookup_tokens,
-            lookup_max_ngram=getattr(drafter.config, "lookup_max_ngram", 3) if drafter is not None else 3)
+            lookup_max_ngram=getattr(drafter.config, "lookup_max_ngram", 3) if drafter is not None else 3,
+            measure=measure_rates)
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, release=self._release)
         self.last_step: StepTrace | None = None
         self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
@@ -170,7 +179,7 @@ class SpeculativeEngine:
         n_pre = batch.num_prefill
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
         probs = conf = lookup = row_limit = None
-        drafted = self.batch_drafter is not None and batch.num_decode > 0 and self.policy.should_draft()
+        drafted = self.batch_drafter is not None and batch.num_decode > 0 and self.policy.should_draft(batch.num_decode)
         if drafted:
             tokens, probs, conf, lookup, row_limit = self._draft(batch)
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
@@ -232,6 +241,8 @@ class SpeculativeEngine:
         t["pruned"] += trace.pruned_tokens
         t["lookup_rows"] += int(proposal.lookup.sum()) if proposal.lookup is not None else 0
         t["seconds"] += seconds
+        decode_tokens = int(verified.num_accepted[batch.num_prefill:].sum()) + batch.num_decode
+        self.policy.observe_step(proposal.drafted, batch.num_prefill, batch.num_decode, decode_tokens, seconds)
 
     def _release(self, slot: int) -> None:
         """A request finished: free what its slot holds (the scheduler's callback)."""

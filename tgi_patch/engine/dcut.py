@@ -230,17 +230,47 @@ def plan_acceptance(accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor
     return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
 
 
+class MeasuredRates:
+    """Decode tokens per second that plain and speculative steps have actually delivered, per batch size (rows
+    decoding, in power-of-two buckets), as exponential moving averages over steps without prefill. The cost model
+    plans a step; these say whether such plans have paid on this machine, under its present load."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.rates: dict[tuple[bool, int], float] = {}
+
+    @staticmethod
+    def bucket(n_dec: int) -> int:
+        return max(n_dec, 1).bit_length()
+
+    def observe(self, speculative: bool, n_dec: int, tokens: int, seconds: float) -> None:
+        if n_dec <= 0 or seconds <= 0:
+            return
+        key, rate = (speculative, self.bucket(n_dec)), tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + self.smoothing * (rate - old)
+
+    def get(self, speculative: bool, n_dec: int) -> float | None:
+        return self.rates.get((speculative, self.bucket(n_dec)))
+
+
 class DCutPolicy:
     """D-Cut's decisions for one engine, in its verify mode (`parse_verify`): "auto" (budget from the cost model,
     with back-off to plain steps), a fixed token budget, a fixed depth, or every drafted token ("full").
 
     `load_cost_model()` gives the cost model when it is first needed (profiling the model runner); n-gram lookups
     replace a row's drafted block when `lookup_tokens` > 0, their confidence (matched n-gram length /
-    `lookup_max_ngram`) calibrated on its own."""
+    `lookup_max_ngram`) calibrated on its own.
+
+    "auto" backs off to plain steps (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the cost
+    model plans a step that would not beat a plain one, and also when the speculative steps measured at this batch
+    size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than the plain ones: a cost
+    model profiled on an idle machine, or calibration still learning, cannot then make batched decoding slower for
+    long. The decisions read only past steps, so they keep sampling exact."""
 
     def __init__(self, mode: str, mode_value: int | None, *, cost_model: CostModel | None = None,
                  load_cost_model=None, calibrator: AcceptanceCalibrator | None = None, probe_every: int = 8,
-                 lookup_tokens: int = 0, lookup_max_ngram: int = 3):
+                 lookup_tokens: int = 0, lookup_max_ngram: int = 3, measure: bool = True):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
         self.mode, self.mode_value = mode, mode_value
@@ -252,6 +282,8 @@ class DCutPolicy:
         self.plain_steps_left = 0
         self._backoff = probe_every
         self.max_backoff = 8 * probe_every
+        self.measured = MeasuredRates() if measure else None
+        self._unmeasured, self._probe = 0, False
 
     @property
     def cost_model(self) -> CostModel:
@@ -260,14 +292,35 @@ class DCutPolicy:
         return self._cost_model
 
     # ---- before drafting ---------------------------------------------------------------------------------------------
-    def should_draft(self) -> bool:
-        """False while backing off (a plain step is taken instead; "auto" mode only)."""
+    def should_draft(self, n_dec: int) -> bool:
+        """False while backing off (a plain step is taken instead; "auto" mode only), and when the speculative steps
+        measured at this batch size have delivered fewer tokens per second than plain ones (which starts a back-off;
+        the step after one drafts, to re-measure). A batch size with speculative measurements but no plain one takes a
+        plain step in `probe_every` to measure it."""
         if self.mode != "auto":
             return True
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
+            self._probe = self.plain_steps_left == 0  # the step after a back-off drafts: it re-measures speculation
             return False
+        if self._probe:
+            self._probe = False
+            return True
+        if self.measured is not None:
+            speculative, plain = self.measured.get(True, n_dec), self.measured.get(False, n_dec)
+            if speculative is not None and plain is None:  # measure plain here: one step in `probe_every`
+                self._unmeasured = (self._unmeasured + 1) % self.probe_every
+                return self._unmeasured != 0
+            if speculative is not None and speculative < plain:
+                self._back_off()
+                self.plain_steps_left -= 1
+                return False
         return True
+
+    def observe_step(self, speculative: bool, n_pre: int, n_dec: int, decode_tokens: int, seconds: float) -> None:
+        """The delivered rate of a finished step (steps that also prefilled are not comparable and are skipped)."""
+        if self.measured is not None and n_pre == 0:
+            self.measured.observe(speculative, n_dec, decode_tokens, seconds)
 
     def draft_width(self, num_draft_tokens: int) -> int:
         if self.mode in ("depth", "budget"):  # no row ever verifies more: do not draft more
@@ -377,10 +430,17 @@ class DCutPolicy:
         speculative_rate = gain / float(costs[int(chosen)])
         plain_rate = n_dec / self.cost_model.verify(rows, base_tokens)
         if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing
-            self.plain_steps_left = self._backoff
-            self._backoff = min(2 * self._backoff, self.max_backoff)
-        else:
+            self._back_off()
+        elif self.measured is None or not self._measured_loss(n_dec):
             self._backoff = self.probe_every
+
+    def _back_off(self) -> None:
+        self.plain_steps_left = self._backoff
+        self._backoff = min(2 * self._backoff, self.max_backoff)
+
+    def _measured_loss(self, n_dec: int) -> bool:
+        speculative, plain = self.measured.get(True, n_dec), self.measured.get(False, n_dec)
+        return speculative is not None and plain is not None and speculative < plain
 
     # ---- after verification ------------------------------------------------------------------------------------------
     def observe(self, conf, depth, num_accepted, drafted_rows, lookup) -> None:
