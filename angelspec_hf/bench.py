@@ -10,7 +10,6 @@ mismatch is reported and makes the command exit non-zero. Writes `results.json`,
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import sys
@@ -21,15 +20,6 @@ from pathlib import Path
 import torch
 
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
-
-
-def percentile(values, q: float):
-    """The nearest-rank `q`-th percentile of `values` (None when empty): the smallest value with at least q% of the
-    values at or below it, so p99 of 100 latencies is the 99th smallest, and p99 of fewer than 100 is the maximum."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
 
 
 METHODS = ("ar", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "mtp+lookup", "dflash", "dflash_full",

@@ -11,6 +11,7 @@ decoding's for every request (a mismatch fails the command).
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
@@ -18,9 +19,17 @@ from pathlib import Path
 
 import torch
 
-from angelspec_hf.bench import percentile
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
+
+
+def percentile(values, q: float):
+    """The nearest-rank `q`-th percentile of `values` (None when empty): the smallest value with at least q% of the
+    values at or below it, so p99 of 100 latencies is the 99th smallest, and p99 of fewer than 100 is the maximum."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
 
 
 def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: int, total: int,

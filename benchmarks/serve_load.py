@@ -31,7 +31,7 @@ from pathlib import Path
 
 import requests
 
-from angelspec_hf.bench import percentile
+from angelspec_hf.bench_batch import percentile
 
 PROMPTS = [
     "def fibonacci(n):",

@@ -74,7 +74,7 @@ def test_spec_bench_sets():
 
 
 def test_percentile_is_nearest_rank():
-    from angelspec_hf.bench import percentile
+    from angelspec_hf.bench_batch import percentile
 
     values = list(range(100, 0, -1))  # 1..100, unsorted
     assert percentile(values, 99) == 99 and percentile(values, 50) == 50 and percentile(values, 100) == 100

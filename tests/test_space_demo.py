@@ -116,9 +116,12 @@ def test_trained_drafters_keep_their_block_and_mtp_is_capped(space, tmp_path, mo
     DFlyDrafter.from_target(target, block_size=6).save_pretrained(tmp_path / "smollm2-135m-instruct-dfly")
     monkeypatch.setattr(app, "SPACE_DRAFTERS", tmp_path)
     monkeypatch.setattr(app, "shipped_drafter_path", lambda family: None)  # only the stand-ins count here
+    monkeypatch.setattr("angelspec_hf.shipped.find_shipped", lambda family, cache_dir=None, why=None: None)
     models = DemoModels(target, tokenizer, warmup=False)
     models.wait()
     assert models.trained == {"dfly": True, "dflash": False, "mtp": True}
+    assert models.sources["dfly"] == f"the shipped dfly drafter from {tmp_path / 'smollm2-135m-instruct-dfly'}"
+    assert "untrained" in models.status_markdown()
     assert block_control("dfly") == {"__type__": "update", "interactive": False, "value": 6,
                                      "info": "Fixed at 6 by the trained DFly drafter (it denoises whole blocks)."}
     assert block_control("mtp")["maximum"] == 5 and block_control("dflash")["interactive"]
