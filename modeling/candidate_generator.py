@@ -105,6 +105,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.stop_threshold = 0.0 if auto else float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
         self._survival = 1.0
         self._max_tokens, self._round_probs = 0, []
+        self._prefix = input_ids  # the context and the tokens drafted so far, for the logits processors
         self._pending: list[torch.Tensor] = []  # target features kept from plain rounds, not yet given to the drafter
         self._pending_length = 0
         self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None}
@@ -113,24 +114,30 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
 
-    def _select(self, logits: torch.Tensor, prefix: torch.LongTensor):
-        """Process one position's draft logits like the target's (same processors), then pick: argmax or a sample.
-        Returns `(logits, token, stop)`: `stop` once the drafter's own probability of its draft so far falls below
-        `config.draft_stop_threshold`."""
+    def _select(self, logits: torch.Tensor, j: int):
+        """`select` for `drafter.draft`: process draft position j's logits like the target's (same processors, over the
+        context and the tokens drafted so far), then pick: argmax or a sample. Returns `(token, processed logits,
+        peak probability)`."""
         logits = logits.float()
         if self.logits_processor is not None and len(self.logits_processor) > 0:
-            logits = self.logits_processor(prefix, logits)
+            logits = self.logits_processor(self._prefix, logits)
         probs = torch.softmax(logits, dim=-1)
         if self.do_sample:
             token = torch.multinomial(probs, num_samples=1).squeeze(-1)
         else:
             token = logits.argmax(dim=-1)
-        chosen = float(probs[0, token[0]])
-        self._round_probs.append(chosen)
+        self._prefix = torch.cat([self._prefix, token[:, None]], dim=-1)
+        self._round_probs.append(float(probs[0, token[0]]))
+        return token, logits, probs.max(dim=-1).values
+
+    def _keep_going(self, peak: torch.Tensor, j: int) -> bool:
+        """`keep_going` for `drafter.draft`, after position j is drawn: the draft-length policy's verdict from the
+        peak there, or (fixed lengths) whether the drafter's own probability of its draft so far is still at least
+        `config.draft_stop_threshold`."""
         if self.policy is not None:
-            return logits, token, not self.policy.keep_drafting(float(probs.max()), self._max_tokens)
-        self._survival = self._survival * chosen
-        return logits, token, self._survival < self.stop_threshold
+            return self.policy.keep_drafting(float(peak[0]), self._max_tokens)
+        self._survival = self._survival * self._round_probs[j]
+        return self._survival >= self.stop_threshold
 
     @torch.no_grad()
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
@@ -160,14 +167,16 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             context = torch.cat(self._pending + [context], dim=1)
             self._pending, self._pending_length = [], 0
         start = time.perf_counter()
+        self._prefix = input_ids.to(drafter_device)
         draft_ids, draft_logits = self.drafter.propose(
             self.state,
             context_hidden_states=context,
-            input_ids=input_ids.to(drafter_device),
+            input_ids=self._prefix,
             num_tokens=num_tokens,
             embed_tokens=self.target_embeddings,
             lm_head=self.target_lm_head,
             select=self._select,
+            keep_going=self._keep_going,
         )
         self._round.update(drafted=draft_ids.shape[1], draft_seconds=time.perf_counter() - start)
         self.stats.draft_seconds += self._round["draft_seconds"]

@@ -63,8 +63,8 @@ def tiny_drafter(family, target, seed=1, **overrides):
     return drafter
 
 
-def greedy_select(logits, prefix):
-    return logits.float(), logits.argmax(-1), False
+def greedy_select(logits, j):
+    return logits.argmax(-1), logits.float(), None
 
 
 def features_for(drafter, length, seed=0):

@@ -322,7 +322,7 @@ def test_eagle3_engine_reference_drafts_what_our_drafter_drafts(tmp_path, target
     tokens, logits = drafter.propose(
         drafter.new_draft_state(), context_hidden_states=features, input_ids=ids, num_tokens=4,
         embed_tokens=target.get_input_embeddings(), lm_head=drafter.draft_lm_head(target.get_output_embeddings()),
-        select=lambda lg, prefix: (lg.float(), lg.argmax(-1), False))
+        select=lambda lg, j: (lg.argmax(-1), lg.float(), None))
     ref_tokens, ref_logits = engine_eagle3_logits(tmp_path, target.get_input_embeddings().weight.detach(), features[0],
                                                   ids[0], steps=4)
     assert tokens[0].tolist() == ref_tokens

@@ -56,9 +56,9 @@ def _raw_draft_q(monkeypatch):
     logits (q built without temperature / top-k / top-p)."""
     select = AngelSpecCandidateGenerator._select
 
-    def raw(self, logits, prefix):
-        _, token, stop = select(self, logits, prefix)
-        return logits.float(), token, stop
+    def raw(self, logits, j):
+        token, _, peak = select(self, logits, j)
+        return token, logits.float(), peak
 
     monkeypatch.setattr(AngelSpecCandidateGenerator, "_select", raw)
 

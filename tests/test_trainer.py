@@ -75,8 +75,8 @@ def teacher(tokens):
     """A `select` that picks the true next tokens (teacher forcing), so drafting follows the training sequence."""
     it = iter(tokens)
 
-    def select(logits, prefix):
-        return logits.float(), torch.tensor([next(it)]), False
+    def select(logits, j):
+        return torch.tensor([next(it)]), logits.float(), None
 
     return select
 

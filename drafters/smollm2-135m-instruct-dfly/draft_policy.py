@@ -123,8 +123,8 @@ def profile_round_costs(target, drafter, context: int = 64, repeats: int = 3) ->
     def timed_draft(n):
         state = drafter.new_draft_state()
 
-        def select(logits, prefix):
-            return logits.float(), logits.argmax(-1), False
+        def select(logits, j):
+            return logits.argmax(-1), logits.float(), None
 
         start = time.perf_counter()
         drafter.propose(state, features.to(drafter.device), ids[:, : context + 1].to(drafter.device), n,

@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3Attention,
     Qwen3DecoderLayer,
@@ -24,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .drafter_utils import DraftState, DrafterOutput, DrafterPreTrainedModel, padding_to_additive_mask
+from .drafter_utils import DrafterOutput, DrafterPreTrainedModel, draft_loop, padding_to_additive_mask
 from .configuration_dflash import DFlashConfig
 
 
@@ -144,43 +143,24 @@ class DFlashDrafter(DrafterPreTrainedModel):
         """Hook for DFly's AR head (teacher-forced in training); DFlash's rows go to the LM head unchanged."""
         return hidden
 
-    def block_logits(self, hidden, anchor_ids, embed_tokens, lm_head, select, prefix):
-        """Draft logits and tokens for block rows 1..: DFlash decodes them all in parallel."""
-        logits = lm_head(hidden[:, 1:].to(lm_head.weight.dtype))  # [B, K, V]
-        return self.select_sequentially(logits, select, prefix)
+    def position_logits(self, rows, anchors, embed_tokens, lm_head):
+        """`logits_at(j, token j - 1)` for `draft_loop` over the block rows `(batch_size, K, hidden_size)` after the
+        anchor: DFlash's rows are independent, so all K go through the LM head in one call."""
+        logits = lm_head(rows.to(lm_head.weight.dtype))  # [B, K, V]
+        return lambda j, previous: logits[:, j]
 
-    @staticmethod
-    def select_sequentially(logits, select, prefix):
-        """Apply `select` position by position (logits processors see the drafted prefix, as the target's do); stop
-        early when `select` says so."""
-        if logits.shape[1] == 0:
-            return logits.new_zeros(logits.shape[:2], dtype=torch.long), logits.float()
-        chosen_logits, tokens = [], []
-        for j in range(logits.shape[1]):
-            step_logits, token, stop = select(logits[:, j], prefix)
-            prefix = torch.cat([prefix, token[:, None]], dim=-1)
-            chosen_logits.append(step_logits)
-            tokens.append(token)
-            if stop:
-                break
-        return torch.stack(tokens, dim=1), torch.stack(chosen_logits, dim=1)
-
-    def new_draft_state(self) -> DraftState:
-        return DraftState(cache=DynamicCache(config=self.config))
-
-    def propose(self, state, context_hidden_states, input_ids, num_tokens, embed_tokens, lm_head, select):
-        """Ingest new context, denoise one block after the anchor `input_ids[:, -1]`, keep only context in the cache.
-
-        Returns draft ids `(batch_size, num_tokens)` and processed draft logits `(batch_size, num_tokens, vocab)`.
-        """
-        batch = input_ids.shape[0]
-        mask_ids = torch.full((batch, self.config.block_size - 1), self.config.mask_token_id, device=input_ids.device)
-        noise_embeds = embed_tokens(torch.cat([input_ids[:, -1:], mask_ids], dim=-1)).to(self.dtype)
-        out = self(noise_embeds, context_hidden_states.to(self.dtype), cache=state.cache)
-        state.cache.crop(-self.config.block_size)  # drop the block's keys/values: only accepted context persists
-        state.context_length += context_hidden_states.shape[1]
-        hidden = out.last_hidden_state[:, : num_tokens + 1]
-        return self.block_logits(hidden, input_ids[:, -1], embed_tokens, lm_head, select, input_ids)
+    def draft(self, context_hidden_states, next_ids, num_new, anchors, num_tokens, embed_tokens, lm_head, select,
+              keep_going=None, *, cache):
+        """Ingest the new context and denoise one block `[anchor, MASK × (block_size - 1)]` in one forward (the block
+        is transient in `cache`); draft positions are block rows 1.. (see `DrafterPreTrainedModel.draft`)."""
+        block = self.config.block_size
+        masks = anchors.new_full((anchors.shape[0], block - 1), self.config.mask_token_id)
+        noise_embeds = embed_tokens(torch.cat([anchors[:, None], masks], dim=1)).to(self.dtype)
+        layer_cache, position_ids, attention_mask = cache.prepare(num_new, block, self.dtype)
+        hidden = self(noise_embeds, context_hidden_states.to(self.dtype), position_ids, attention_mask,
+                      layer_cache).last_hidden_state  # [B, block, H]
+        logits_at = self.position_logits(hidden[:, 1 : num_tokens + 1], anchors, embed_tokens, lm_head)
+        return draft_loop(logits_at, num_tokens, select, keep_going, anchors)
 
 
 __all__ = ["DFlashDrafter", "DFlashAttention", "DFlashDecoderLayer"]

@@ -85,19 +85,12 @@ class DFlyDrafter(DFlashDrafter):
             hidden = self.ar_head(hidden, embed_tokens(previous_ids).to(hidden.dtype))
         return lm_head(hidden.to(lm_head.weight.dtype))
 
-    def block_logits(self, hidden, anchor_ids, embed_tokens, lm_head, select, prefix):
-        if self.ar_head is None or hidden.shape[1] < 2:
-            return super().block_logits(hidden, anchor_ids, embed_tokens, lm_head, select, prefix)
-        previous, tokens, chosen_logits = anchor_ids, [], []
-        for j in range(1, hidden.shape[1]):
-            step = self.ar_logits(hidden[:, j], previous, embed_tokens, lm_head)  # [B, V]
-            step_logits, previous, stop = select(step, prefix)
-            prefix = torch.cat([prefix, previous[:, None]], dim=-1)
-            tokens.append(previous)
-            chosen_logits.append(step_logits)
-            if stop:  # the rest of the block is not even computed
-                break
-        return torch.stack(tokens, dim=1), torch.stack(chosen_logits, dim=1)
+    def position_logits(self, rows, anchors, embed_tokens, lm_head):
+        """With the AR head, row j is corrected by the token chosen at j - 1 (the anchor for row 0): computed one
+        position at a time, only as far as drafting goes."""
+        if self.ar_head is None:
+            return super().position_logits(rows, anchors, embed_tokens, lm_head)
+        return lambda j, previous: self.ar_logits(rows[:, j], anchors if j == 0 else previous, embed_tokens, lm_head)
 
 
 __all__ = ["DFlyDrafter", "DFlyARHead"]

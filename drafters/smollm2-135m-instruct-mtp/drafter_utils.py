@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
@@ -60,10 +61,39 @@ class PrunedLMHead(nn.Module):
 
 @dataclass
 class DraftState:
-    """A drafter's per-sequence state in a `generate()` call: its KV cache over the accepted context."""
+    """A drafter's per-sequence state in a `generate()` call: its KV cache over the accepted context. It is the
+    hook's *draft cache* (`DrafterPreTrainedModel.draft`): one sequence, nothing padded, so the drafter's default
+    positions (following the cache) and masks (causal, or a whole DFlash block) apply."""
 
     cache: object
     context_length: int = 0  # context positions whose target features are in `cache`
+
+    def prepare(self, num_new: torch.Tensor, block: int, dtype: torch.dtype):
+        """`(layer cache, position_ids, attention_mask)` for one drafter forward: the transformers cache itself, and
+        None, None (the defaults). Entries past `context_length` (a block, chained steps) are dropped by `propose`."""
+        return self.cache, None, None
+
+
+def draft_loop(logits_at, num_tokens: int, select, keep_going, anchors: torch.LongTensor):
+    """The rule every family drafts by, for a batch: for j = 0, 1, …: the logits of draft position j,
+    `logits_at(j, token j - 1)` `[B, V]` (computed only when reached: DFly's AR head and MTP's chained steps are
+    sequential), then `select(logits, j) -> (token [B], q, confidence)`, then `keep_going(confidence, j)` (if given):
+    stop once it says no (so a position no sequence could use is not computed) or after `num_tokens`.
+
+    Returns tokens `[B, K]`, the stacked `q` `[B, K, …]` and confidences `[B, K]` (each None when `select` gave None),
+    K <= num_tokens; `anchors` `[B]` only shapes the empty result."""
+    steps, token = [], None
+    for j in range(num_tokens):
+        token, q, confidence = select(logits_at(j, token), j)
+        steps.append((token, q, confidence))
+        if keep_going is not None and not keep_going(confidence, j):
+            break
+    if not steps:
+        empty = anchors.new_zeros(anchors.shape[0], 0)
+        return empty, None, empty.float()
+    tokens, qs, confidences = zip(*steps)
+    return (torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1),
+            None if confidences[0] is None else torch.stack(confidences, 1))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,7 +118,7 @@ def causal_additive_mask(query_length: int, past_length: int, dtype, device) -> 
 
 
 class DrafterPreTrainedModel(Qwen3PreTrainedModel):
-    """Base of the drafters. Subclasses implement `propose` (drafting) and `num_draft_tokens`."""
+    """Base of the drafters. Subclasses implement `draft` (drafting) and `num_draft_tokens`."""
 
     base_model_prefix = "drafter"
     main_input_name = "context_hidden_states"
@@ -177,10 +207,45 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
         raise NotImplementedError
 
     def new_draft_state(self) -> DraftState:
+        return DraftState(cache=DynamicCache(config=self.config))
+
+    def draft(self, context_hidden_states, next_ids, num_new, anchors, num_tokens, embed_tokens, lm_head, select,
+              keep_going=None, *, cache):
+        r"""The family's drafting, one implementation for the `generate()` hook (`propose`: batch 1, `DraftState`)
+        and the batched engine (`tgi_patch`: a paged KV pool): ingest each sequence's new target features, then draft
+        after its anchor by `draft_loop`'s rule.
+
+        context_hidden_states (`torch.FloatTensor` of shape `(batch_size, n_max, hidden_size * len(target_layer_ids))`):
+            Target features of the tokens accepted since the last call; row b's first `num_new[b]` are valid.
+        next_ids (`torch.LongTensor` of shape `(batch_size, n_max)`): the token after each of them (MTP's input).
+        num_new (`torch.LongTensor` of shape `(batch_size,)`): valid new features per sequence (at least 1).
+        anchors (`torch.LongTensor` of shape `(batch_size,)`): the last accepted token, not yet seen by the target.
+        select, keep_going: as `draft_loop` calls them; `embed_tokens`, `lm_head` the target's (`draft_lm_head`).
+        cache: the drafter's KV store, with `prepare(num_new [B], block, dtype) -> (layer cache, position_ids,
+            attention_mask)` readying one forward that adds each sequence's `num_new` tokens and then `block`
+            transient ones (attended to, not kept). Entries of chained steps (MTP) are the caller's to drop.
+
+        Returns tokens `(batch_size, K)`, q and confidences `(batch_size, K)` as `draft_loop` does.
+        """
         raise NotImplementedError
 
-    def propose(self, state, context_hidden_states, input_ids, num_tokens, embed_tokens, lm_head, select):
-        raise NotImplementedError
+    def propose(self, state, context_hidden_states, input_ids, num_tokens, embed_tokens, lm_head, select,
+                keep_going=None):
+        """The `generate()` hook's drafting: ingest the target features `(batch_size, n, F)` of the tokens after the
+        `state.context_length` that `state` holds, draft up to `num_tokens` tokens after the anchor `input_ids[:, -1]`
+        (`draft`), then keep only the accepted context in the cache. Returns draft ids `(batch_size, K)` and the
+        stacked `q` of `select` (the hook's: processed draft logits `(batch_size, K, vocab_size)`; None when K = 0)."""
+        start, num_new = state.context_length, context_hidden_states.shape[1]
+        tokens, q, _ = self.draft(
+            context_hidden_states, input_ids[:, start + 1 : start + 1 + num_new],
+            input_ids.new_full((input_ids.shape[0],), num_new), input_ids[:, -1], num_tokens, embed_tokens, lm_head,
+            select, keep_going, cache=state,
+        )
+        state.context_length += num_new
+        extra = state.cache.get_seq_length() - state.context_length  # the block or chained entries
+        if extra:
+            state.cache.crop(-extra)
+        return tokens, q
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -18,7 +18,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from ..drafter_utils import DraftState, DrafterOutput, DrafterPreTrainedModel, additive_mask, causal_additive_mask
+from ..drafter_utils import DrafterOutput, DrafterPreTrainedModel, additive_mask, causal_additive_mask, draft_loop
 from .configuration_mtp import MTPConfig
 
 
@@ -142,35 +142,26 @@ class MTPDrafter(DrafterPreTrainedModel):
     def head(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         return lm_head(self.norm(hidden).to(lm_head.weight.dtype))
 
-    def new_draft_state(self) -> DraftState:
-        return DraftState(cache=DynamicCache(config=self.config))
+    def draft(self, context_hidden_states, next_ids, num_new, anchors, num_tokens, embed_tokens, lm_head, select,
+              keep_going=None, *, cache):
+        """Ingest the pairs `(h_t, x_{t+1})` of the new context, then draft one step per token: step j + 1 chains the
+        drafter's own output after step j with the token chosen there (see `DrafterPreTrainedModel.draft`; the
+        chained entries stay in `cache` for the caller to drop)."""
+        layer_cache, position_ids, attention_mask = cache.prepare(num_new, 0, self.dtype)
+        hidden = self(context_hidden_states.to(self.dtype), embed_tokens(next_ids).to(self.dtype), position_ids,
+                      attention_mask, layer_cache).last_hidden_state
+        hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), num_new - 1]  # [B, H] at each anchor
+        one = torch.ones_like(num_new)
 
-    def propose(self, state, context_hidden_states, input_ids, num_tokens, embed_tokens, lm_head, select):
-        """Ingest the pairs `(h_t, x_{t+1})` for the new context, then draft `num_tokens` tokens one step each."""
-        start, num_new = state.context_length, context_hidden_states.shape[1]
-        next_tokens = input_ids[:, start + 1 : start + 1 + num_new]  # the last one is the anchor
-        out = self(context_hidden_states.to(self.dtype), embed_tokens(next_tokens).to(self.dtype), cache=state.cache)
-        state.context_length += num_new
-        hidden, prefix, tokens, chosen_logits = out.last_hidden_state[:, -1:], input_ids, [], []
-        position = start + num_new - 1  # position of the last ingested pair
-        speculative = 0  # chained entries added to the cache this round
-        for j in range(num_tokens):
-            step_logits, token, stop = select(self.head(hidden[:, 0], lm_head), prefix)
-            prefix = torch.cat([prefix, token[:, None]], dim=-1)
-            tokens.append(token)
-            chosen_logits.append(step_logits)
-            if stop:
-                break
-            if j + 1 < num_tokens:
-                speculative += 1
-                position += 1
-                pos = torch.full((input_ids.shape[0], 1), position, device=input_ids.device)
-                hidden = self(hidden, embed_tokens(token[:, None]).to(self.dtype), pos, cache=state.cache).last_hidden_state
-        if speculative:
-            state.cache.crop(-speculative)  # keep only entries built from the target's own hidden states
-        if not tokens:
-            return input_ids.new_zeros(input_ids.shape[0], 0), hidden.new_zeros(input_ids.shape[0], 0, lm_head.weight.shape[0])
-        return torch.stack(tokens, dim=1), torch.stack(chosen_logits, dim=1)
+        def logits_at(j, previous):
+            nonlocal hidden
+            if j:  # chain: the drafter's own output stands in for the target's hidden state
+                layer_cache, position_ids, attention_mask = cache.prepare(one, 0, self.dtype)
+                hidden = self(hidden[:, None], embed_tokens(previous[:, None]).to(self.dtype), position_ids,
+                              attention_mask, layer_cache).last_hidden_state[:, 0]
+            return self.head(hidden, lm_head)
+
+        return draft_loop(logits_at, num_tokens, select, keep_going, anchors)
 
 
 __all__ = ["MTPDrafter"]

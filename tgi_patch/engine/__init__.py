@@ -7,12 +7,14 @@
   tokens verification emitted for it (stop ids, length limit).
 - `model_runner.py`: the target's paged KV pool and anchors, the packed target forward, the features kept for the
   drafter, dummy-step profiling.
-- `drafting.py`: `BatchDrafter`, every drafter family over a ragged batch in its own paged KV pool.
+- `drafting.py`: `BatchDrafter`: a ragged batch drafts through the family's own `drafter.draft` (the code the
+  `generate()` hook runs), over the drafter's paged KV pool.
 - `dcut.py`: D-Cut: acceptance calibration, the profiled cost model, draft width, n-gram lookups, selection,
   back-off.
 - `verification.py`: the sampler: draft-token selection, penalised and processed target scores, batched acceptance.
 - `sampling.py`: penalties, temperature / top-k / top-p, the counter-based random streams, inverse-CDF draws.
-- `paged.py`: `PagedKVPool`, `RaggedStep` and the ragged attention function of the packed target forward.
+- `paged.py`: `PagedKVPool`, `RaggedStep` and the ragged attention function of the packed target forward;
+  `PoolCache` / `PoolDraftCache`, the pool as a drafter's cache.
 - `kernels/`: D-Cut selection and verification, the torch `reference.py` beside `triton_kernels.py`; the dispatch
   in `kernels/__init__.py`.
 

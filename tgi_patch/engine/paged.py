@@ -247,3 +247,24 @@ class PoolCache:
         """Additive `[B, 1, block, kv_max + block]` for a non-causal block after each sequence's context."""
         allowed = torch.cat([self.step.key_valid, self.step.key_valid.new_ones(len(self.step.slots), block)], 1)
         return _additive(allowed[:, None, None, :].expand(-1, 1, block, -1), dtype)
+
+
+class PoolDraftCache:
+    """The pool as `drafter.draft` takes its cache (`DrafterPreTrainedModel.draft`), for sequences `slots`: each
+    `prepare` is one padded forward's `RaggedStep`. Its lengths are committed as it is built (its write and gather
+    indices are fixed then), so the caller rolls back whatever drafting should not keep."""
+
+    def __init__(self, pool: PagedKVPool, slots: torch.Tensor):
+        self.pool, self.slots = pool, slots
+
+    def prepare(self, num_new: torch.Tensor, block: int, dtype):
+        """`(PoolCache, position_ids [B, n_max + block], additive mask)`: causal over each sequence's keys for the
+        new tokens; with a `block`, its rows see every valid key and the whole block, which is not stored."""
+        step = RaggedStep.build(self.pool, self.slots, num_new, packed=False)
+        step.commit()
+        cache = PoolCache(step, transient=block)
+        positions = step.query_positions()
+        if not block:
+            return cache, positions, step.causal_mask(dtype)
+        block_positions = (step.held + step.new)[:, None] + torch.arange(block, device=self.slots.device)[None, :]
+        return cache, torch.cat([positions, block_positions], 1), cache.block_mask(block, dtype)
