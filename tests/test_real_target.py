@@ -119,3 +119,19 @@ def test_shipped_drafters(real, family, prompt_index):
         out = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, plain[prompt_index])
     assert sum(drafter.last_speculation_stats.accepted) > 0  # whole blocks: drafts really accepted
+
+
+def test_shipped_mtp_exports_to_eagle3(real, tmp_path):
+    """The shipped MTP drafter is in EAGLE-3's layout: `angelspec export --format eagle3` writes what vLLM's
+    Eagle3LlamaForCausalLM / SGLang's LlamaForCausalLMEagle3 load, with the pruned vocabulary as d2t / t2d."""
+    import json
+
+    from angelspec_hf.modeling.converters import export_eagle
+    from angelspec_hf.shipped import shipped_or_untrained
+
+    target = real[0]
+    drafter, trained = shipped_or_untrained("mtp", target)
+    assert trained and drafter.config.layout == "eagle3"
+    folder = export_eagle(drafter, tmp_path / "eagle3", target)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 8192
