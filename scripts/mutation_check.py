@@ -53,7 +53,7 @@ class Mutation:
 MUTATIONS = [
     Mutation("sanity: the engine raises (proves the scratch copy is what runs)", "tgi_patch/engine/dcut.py",
              "    return probs.max(-1).values\n",
-             "        raise RuntimeError('mutation_check sanity mutation')\n",
+             "    raise RuntimeError('mutation_check sanity mutation')\n",
              ["tests/test_engine.py::test_draft_confidence_does_not_look_at_the_drafted_token"], note="sanity"),
     # ---- issue 11's blind spots ------------------------------------------------------------------------------------
     Mutation("engine ignores temperature", "tgi_patch/engine/verification.py",
