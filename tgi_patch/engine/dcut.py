@@ -307,11 +307,10 @@ class DCutPolicy:
             self._probe = False
             return True
         if self.measured is not None:
-            speculative, plain = self.measured.get(True, n_dec), self.measured.get(False, n_dec)
-            if speculative is not None and plain is None:  # measure plain here: one step in `probe_every`
-                self._unmeasured = (self._unmeasured + 1) % self.probe_every
+            if self.measured.get(True, n_dec) is not None and self.measured.get(False, n_dec) is None:
+                self._unmeasured = (self._unmeasured + 1) % self.probe_every  # measure plain: 1 step in probe_every
                 return self._unmeasured != 0
-            if speculative is not None and speculative < plain:
+            if self._measured_loss(n_dec):
                 self._back_off()
                 self.plain_steps_left -= 1
                 return False
