@@ -92,14 +92,29 @@ def same_drafts(a, b, target):
 
 @functools.lru_cache(maxsize=None)
 def real_target():
-    """The embedded target and tokenizer, loaded once per test session (the server and client tests share it)."""
+    """The embedded target and tokenizer, loaded once per test session (identity on real prompts, shipped drafters)."""
     torch.set_num_threads(1)
     return angelspec_hf.load_default_target()
 
 
+@functools.lru_cache(maxsize=None)
+def served_target():
+    """What the protocol, client and server tests serve: a tiny random Llama with the embedded target's real tokenizer
+    and chat template (the real vocabulary, special tokens and byte-level detokenisation; none of the 135M model's
+    cost). A few common words are favoured (LM-head rows doubled): it writes varied text that repeats itself now and then,
+    so the penalties the clients send change its greedy choice."""
+    torch.set_num_threads(1)
+    target, tokenizer = tiny_chat_target(seed=0, favour=1.0)
+    words = tokenizer(" the and of a to in is it that for", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        target.lm_head.weight[words] *= 2.0
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    return target, tokenizer
+
+
 def reference(input_ids, max_new_tokens):
-    """The real target's own greedy tokens: what the server must return, token for token."""
-    target, _ = real_target()
+    """The served model's own greedy tokens: what the server must return, token for token."""
+    target, _ = served_target()
     out = target.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(input_ids):].tolist()
 
@@ -110,13 +125,13 @@ SERVER_COST = dict(verify_coef=(0.06, 0.002, 0.004), draft_coef=(0.02, 0.003))
 
 
 def make_app(drafter=True, **kwargs):
-    """The TGI-compatible app on the real target with the batched engine (an untrained DFly drafter: correctness,
+    """The TGI-compatible app on `served_target()` with the batched engine (an untrained DFly drafter: correctness,
     not speed) and a fixed cost model; returns `(app, engine)`."""
     from angelspec_hf.tgi_patch.engine.dcut import CostModel
     from angelspec_hf.tgi_patch.engine import SpeculativeEngine
     from angelspec_hf.tgi_patch.server import create_app
 
-    target, tokenizer = real_target()
+    target, tokenizer = served_target()
     draft_model = DFlyDrafter.from_target(target).eval() if drafter else None
     engine = SpeculativeEngine(target, draft_model, verify="auto", cost_model=CostModel(**SERVER_COST),
                                max_batch_size=8)

@@ -1,6 +1,7 @@
 """`angelspec serve` over HTTP: TGI's routes and shapes, validation, overload, disconnects, engine failure and
-shutdown, against a live uvicorn server running the real batched engine on the embedded SmolLM2-135M-Instruct target
-(an untrained DFly drafter: correctness, not speed). The real clients are in `test_server_clients.py`."""
+shutdown, against a live uvicorn server running the real batched engine (an untrained DFly drafter: correctness, not
+speed) on a tiny random Llama with the embedded target's real tokenizer (`helpers.served_target`); `angelspec serve`
+itself runs on the embedded SmolLM2-135M-Instruct target. The real clients are in `test_server_clients.py`."""
 
 import importlib.util
 import json
@@ -20,15 +21,14 @@ import requests
 
 pytest.importorskip("fastapi")
 from angelspec_hf.tgi_patch.server import running_in_thread  # noqa: E402
-from helpers import MODEL_ID, make_app, real_target, reference  # noqa: E402
+from helpers import MODEL_ID, make_app, reference, served_target  # noqa: E402
 
-pytestmark = pytest.mark.real_model
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Question: what is 12 * 7?\nAnswer:"]
 
 
 @pytest.fixture(scope="module")
 def live():
-    _, tokenizer = real_target()
+    _, tokenizer = served_target()
     refs = {p: reference(tokenizer(p).input_ids, 12) for p in PROMPTS}  # before the engine touches the target
     app, engine = make_app()
     with running_in_thread(app) as url:
@@ -63,7 +63,7 @@ def test_text_stream_detokenises_incrementally_and_cuts_at_stop_strings():
     """No generation: the real tokenizer's ids of a known text, pushed one by one."""
     from angelspec_hf.tgi_patch.server import TextStream
 
-    _, tokenizer = real_target()
+    _, tokenizer = served_target()
     text = "Héllo wörld, naïve café 🙂! The end."
     ids = tokenizer(text, add_special_tokens=False).input_ids
     special = frozenset(tokenizer.all_special_ids)
@@ -98,7 +98,7 @@ def test_concurrent_greedy_requests_are_lossless(live):
                                                   "decoder_input_details": p == PROMPTS[0]}}
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         responses = list(pool.map(lambda p: post(url, "/generate", body(p)), PROMPTS))
-    _, tokenizer = real_target()
+    _, tokenizer = served_target()
     for prompt, r in zip(PROMPTS, responses):
         assert r.status_code == 200, r.text
         out = r.json()
@@ -138,7 +138,7 @@ def test_compat_route_and_streams(live):
 
 def test_stop_sequence_cuts_the_text_and_frees_the_slot(live):
     url, server, engine, refs = live
-    _, tokenizer = real_target()
+    _, tokenizer = served_target()
     full_text = tokenizer.decode(refs[PROMPTS[0]], skip_special_tokens=True)
     stop = full_text.strip().split()[2]  # a word a few tokens in
     r = post(url, "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 12, "details": True,
@@ -147,9 +147,15 @@ def test_stop_sequence_cuts_the_text_and_frees_the_slot(live):
     assert out["details"]["finish_reason"] == "stop_sequence"
     assert out["generated_text"].endswith(stop) and full_text.startswith(out["generated_text"])  # TGI keeps the stop
     assert out["details"]["generated_tokens"] < len(refs[PROMPTS[0]])
-    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4,
-                                              "temperature": 0, "stop": "Hello"})  # OpenAI drops it
-    assert "Hello" not in chat.json()["choices"][0]["message"]["content"]
+    messages = [{"role": "user", "content": "Say hello"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    chat_text = tokenizer.decode(reference(chat_ids, 12), skip_special_tokens=True)
+    chat_stop = chat_text.split()[2]
+    chat = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
+                                              "stop": chat_stop})  # OpenAI drops it
+    content = chat.json()["choices"][0]["message"]["content"]
+    assert chat.json()["choices"][0]["finish_reason"] == "stop"
+    assert chat_stop not in content and chat_text.startswith(content + chat_stop)
     assert wait_until_idle(server, engine)
 
 
@@ -230,7 +236,20 @@ def _open_raw_stream(url, max_new_tokens):
     return sock
 
 
-def test_overload_429_and_abrupt_disconnects_cancel(live):
+@pytest.fixture
+def slow_steps(live, monkeypatch):
+    """Engine steps of at least 20 ms, as on a real model: the tiny served model would finish 300 tokens before the
+    disconnect tests below could leave."""
+    engine, real_step = live[2], live[2].step
+
+    def step():
+        time.sleep(0.02)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_overload_429_and_abrupt_disconnects_cancel(live, slow_steps):
     """Six streams fill `max_concurrent_requests`: a seventh request gets 429. The six clients then vanish (RST);
     their requests are cancelled in the engine at the next step, long before their 300 tokens."""
     url, server, engine, _ = live
@@ -245,7 +264,7 @@ def test_overload_429_and_abrupt_disconnects_cancel(live):
     assert_serves(url)
 
 
-def test_client_that_closes_a_stream_cancels_its_request(live):
+def test_client_that_closes_a_stream_cancels_its_request(live, slow_steps):
     url, server, engine, _ = live
     r = post(url, "/generate_stream", {"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 300}}, stream=True)
     lines = r.iter_lines()
@@ -255,7 +274,7 @@ def test_client_that_closes_a_stream_cancels_its_request(live):
     assert_serves(url)
 
 
-def test_clients_that_leave_non_streaming_requests_cancel_them(live):
+def test_clients_that_leave_non_streaming_requests_cancel_them(live, slow_steps):
     """Six non-streaming requests (`/generate`, `/` and chat) fill every slot, then their clients give up (a 1.5 s
     read timeout closes the socket): each request is cancelled in the engine and its slot freed within seconds, long
     before its 300 tokens, and the metrics count them as 499 (client closed request)."""
@@ -341,6 +360,7 @@ def test_graceful_shutdown_finishes_in_flight_requests():
     assert not server.worker.alive and not engine.has_work()
 
 
+@pytest.mark.real_model
 def test_cli_serve_and_sigint_mid_stream():
     """`angelspec serve` in its own process: it serves, and on SIGINT the open stream still completes before the
     process exits cleanly."""

@@ -1,6 +1,7 @@
 """The real clients against a live `angelspec serve` app: `text_generation.Client` 0.7.0,
 `huggingface_hub.InferenceClient` and the `openai` client on `/v1`. Greedy output through each equals the target's
-own greedy decoding (the real engine, the embedded target and an untrained DFly drafter)."""
+own greedy decoding (the real engine and an untrained DFly drafter, on a tiny random Llama with the embedded target's
+real tokenizer and chat template: `helpers.served_target`)."""
 
 import pytest
 import torch
@@ -10,12 +11,11 @@ pytest.importorskip("fastapi")
 text_generation = pytest.importorskip("text_generation")
 openai = pytest.importorskip("openai")
 from huggingface_hub import InferenceClient  # noqa: E402
-from helpers import make_app, real_target, reference  # noqa: E402  (shares the session's loaded target)
+from helpers import make_app, reference, served_target  # noqa: E402
 
 from angelspec_hf.tgi_patch.server import running_in_thread  # noqa: E402
 
-pytestmark = [pytest.mark.real_model,  # text_generation 0.7.0 calls pydantic's deprecated .dict()
-              pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")]
+pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")  # text_generation 0.7.0 calls it
 NEW = 12
 PROMPT = "def fibonacci(n):"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -40,7 +40,7 @@ def penalised_reference(input_ids, max_new_tokens, repetition_penalty=1.0, frequ
                         presence_penalty=0.0):
     """The target's own greedy decoding with the same penalties: transformers' `generate` (its repetition penalty
     processor, then OpenAI's rule as a custom processor)."""
-    target, _ = real_target()
+    target, _ = served_target()
     extra = OpenAIPenalties(len(input_ids), frequency_penalty, presence_penalty)
     out = target.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                           repetition_penalty=repetition_penalty, logits_processor=[extra])
@@ -49,7 +49,7 @@ def penalised_reference(input_ids, max_new_tokens, repetition_penalty=1.0, frequ
 
 @pytest.fixture(scope="module")
 def live():
-    target, tokenizer = real_target()
+    target, tokenizer = served_target()
     chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
                                              return_dict=True)["input_ids"][0].tolist()
     refs = {"text": reference(tokenizer(PROMPT).input_ids, NEW), "chat": reference(chat_ids, NEW),
@@ -71,7 +71,7 @@ def test_text_generation_client(live):
     out = client.generate(PROMPT, max_new_tokens=NEW, decoder_input_details=True)  # always asks for details
     assert [t.id for t in out.details.tokens] == refs["text"] and out.generated_text == texts["text"]
     assert out.details.finish_reason.value in ("length", "eos_token") and out.details.generated_tokens == NEW
-    assert len(out.details.prefill) == len(real_target()[1](PROMPT).input_ids)
+    assert len(out.details.prefill) == len(served_target()[1](PROMPT).input_ids)
     stream = list(client.generate_stream(PROMPT, max_new_tokens=NEW))
     assert [r.token.id for r in stream] == refs["text"] and stream[-1].generated_text == texts["text"]
     assert stream[-1].details.generated_tokens == NEW
@@ -140,7 +140,7 @@ def test_openai_client(live):
 
 def test_openai_client_penalties_top_logprobs_and_completions(live):
     url, refs, texts = live
-    tokenizer = real_target()[1]
+    tokenizer = served_target()[1]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     chat = client.chat.completions.create(model="any", messages=CHAT, max_tokens=2 * NEW, temperature=0,
                                           logprobs=True, top_logprobs=2, **CHAT_PENALISED)
