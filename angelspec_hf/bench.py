@@ -320,5 +320,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--concurrency", default=None,
                        help="e.g. 1,2,4,8,16,32: the batched engine under closed-loop load (plain, fixed depth, D-Cut)")
     bench.add_argument("--requests-per-client", type=int, default=2, help="with --concurrency")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="with --concurrency: run every method this many times, interleaved; report medians")
     bench.add_argument("--fixed-depths", default="1,3,7", help="with --concurrency: DFly's fixed-depth baselines")
     bench.set_defaults(func=bench_main)

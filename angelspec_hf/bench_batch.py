@@ -3,9 +3,12 @@
 For each concurrency C, C clients each keep one request in flight (a new prompt as soon as the previous one ends) until
 `requests_per_client × C` requests are done; methods run one after another on the same prompts: plain batched
 decoding, fixed-depth drafting (every request verifies the same number of draft tokens; DFly at depths 1, 3 and 7
-by default) and D-Cut (verify="auto", the cost model profiled on this machine) for each drafter. Reported per method and concurrency: throughput, per-request latency (p50 /
-p99), τ, verified draft tokens per step, and the speed-up over plain decoding; greedy outputs must equal plain
-decoding's for every request (a mismatch fails the command).
+by default) and D-Cut (verify="auto", the cost model profiled on this machine) for each drafter. With `repeats` R > 1
+that sequence of methods runs R times in turn (interleaved, so slow drifts of the machine hit every method alike); a
+method's speed-up is the median over repeats of its throughput over the same repeat's plain throughput, and its
+spread (lowest and highest of those ratios) is reported beside it. Reported per method and concurrency: throughput,
+per-request latency (p50 / p99), τ, verified draft tokens per step, and the speed-up over plain decoding; greedy outputs
+must equal plain decoding's for every request (a mismatch fails the command).
 """
 
 from __future__ import annotations
@@ -76,10 +79,12 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
 
 def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], concurrencies, requests_per_client=2,
                           max_new_tokens=64, fixed_depths=(1, 3, 7), fixed_for=("dfly",),
-                          cost_model_cache=None) -> list[dict]:
+                          cost_model_cache=None, repeats: int = 1) -> list[dict]:
     """drafters: {name: drafter}. Every drafter runs with D-Cut (and, when its config proposes n-gram lookups, with
-    D-Cut and no lookups: `<name>-dcut-nolookup`); those in `fixed_for` also at each fixed depth.
-    Returns one record per (concurrency, method)."""
+    D-Cut and no lookups: `<name>-dcut-nolookup`); those in `fixed_for` also at each fixed depth. Each concurrency
+    runs every method `repeats` times, interleaved. Returns one record per (concurrency, method)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     max_batch = max(concurrencies)
     engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max_batch)}
     for name, drafter in drafters.items():
@@ -97,19 +102,34 @@ def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], conc
     records = []
     for c in concurrencies:
         total = c * requests_per_client
-        plain = None
-        for label, engine in engines.items():
-            result = closed_loop(engine, prompts, c, total, params)
-            outputs = result.pop("outputs")
-            if label == "plain":
-                plain, plain_outputs = result, outputs
-            identical = all(outputs[i] == plain_outputs[i] for i in outputs)
-            records.append({"concurrency": c, "method": label, "requests": total, **result,
-                            "speedup": result["throughput"] / plain["throughput"], "identical": identical})
-            print(f"c={c:>3} {label:<14} {result['throughput']:7.1f} tok/s  x{records[-1]['speedup']:.2f}  "
-                  f"tau {result['tau']:.2f}  verified/step {result['verified_per_step']:.1f}  "
-                  f"identical {identical}", flush=True)
+        runs = {label: [] for label in engines}
+        for rep in range(repeats):
+            for label, engine in engines.items():
+                result = closed_loop(engine, prompts, c, total, params)
+                outputs = result.pop("outputs")
+                if label == "plain":
+                    plain, plain_outputs = result, outputs
+                result["identical"] = all(outputs[i] == plain_outputs[i] for i in outputs)
+                result["speedup"] = result["throughput"] / plain["throughput"]
+                runs[label].append(result)
+                print(f"c={c:>3} {label:<20} {result['throughput']:7.1f} tok/s  x{result['speedup']:.2f}  "
+                      f"tau {result['tau']:.2f}  verified/step {result['verified_per_step']:.1f}  "
+                      f"identical {result['identical']}" + (f"  (repeat {rep + 1}/{repeats})" if repeats > 1 else ""),
+                      flush=True)
+        records += [_summarise(c, label, total, rs) for label, rs in runs.items()]
     return records
+
+
+def _summarise(concurrency: int, method: str, requests: int, runs: list[dict]) -> dict:
+    """One record from a method's repeats: medians, the speed-up's spread, identical only if every repeat was."""
+    record = {"concurrency": concurrency, "method": method, "requests": requests, "repeats": len(runs)}
+    for key in ("seconds", "tokens", "throughput", "latency_p50", "latency_p99", "tau", "verified_per_step",
+                "pruned_per_step", "speculative_steps", "speedup"):
+        record[key] = statistics.median(r[key] for r in runs)
+    record["speedup_min"] = min(r["speedup"] for r in runs)
+    record["speedup_max"] = max(r["speedup"] for r in runs)
+    record["identical"] = all(r["identical"] for r in runs)
+    return record
 
 
 def write_concurrency_outputs(records, out_dir, setting: str) -> dict[str, Path]:
@@ -117,12 +137,13 @@ def write_concurrency_outputs(records, out_dir, setting: str) -> dict[str, Path]
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps({"setting": setting, "records": records}, indent=1))
     lines = [f"# angelspec bench --concurrency\n\n{setting}\n",
-             "| concurrency | method | requests | tok/s | speed-up vs plain | τ | verified draft tokens/step | "
+             "| concurrency | method | requests | tok/s | speed-up vs plain (spread) | τ | verified draft tokens/step | "
              "pruned/step | drafting steps | p50 latency (s) | p99 latency (s) | greedy identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
+        spread = f" ({r['speedup_min']:.2f}–{r['speedup_max']:.2f})" if r.get("repeats", 1) > 1 else ""
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['throughput']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['verified_per_step']:.1f} | {r['pruned_per_step']:.1f} | "
+                     f"{r['speedup']:.2f}x{spread} | {r['tau']:.2f} | {r['verified_per_step']:.1f} | {r['pruned_per_step']:.1f} | "
                      f"{100 * r['speculative_steps']:.0f}% | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
                      f"{'yes' if r['identical'] else '**NO**'} |")
     methods = list(dict.fromkeys(r["method"] for r in records))
@@ -162,13 +183,14 @@ def concurrency_main(args, target, tokenizer, drafters: dict, untrained: list, p
     prompts = [chat_input_ids(tokenizer, p)[0].tolist() for ps in prompt_sets.values() for p in ps]
     chosen = {f: d for f, d in drafters.items() if f in ("mtp", "dflash", "dfly")}
     setting = (f"closed loop, {args.requests_per_client} requests per client, {args.max_new_tokens} new tokens, "
+               f"{args.repeats} interleaved repeat(s) (medians), "
                f"greedy; prompts: {', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())} (chat template); "
                + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else 'trained'} (draft {d.num_draft_tokens})"
                            for f, d in chosen.items())
                + f"; {platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}")
     depths = [int(d) for d in args.fixed_depths.split(",") if d]
     records = run_concurrency_bench(target, chosen, prompts, concurrencies, args.requests_per_client,
-                                    args.max_new_tokens, depths)
+                                    args.max_new_tokens, depths, repeats=args.repeats)
     paths = write_concurrency_outputs(records, args.out, setting)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))

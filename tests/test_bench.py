@@ -51,11 +51,12 @@ def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
     prompts = [[5, 6, 7], [9] * 12, [4, 3, 8, 8]]
     cache = tmp_path / "cost"
     records = run_concurrency_bench(target, drafters, prompts, [1, 3], requests_per_client=2, max_new_tokens=6,
-                                    fixed_depths=(1, 3), cost_model_cache=cache)
+                                    fixed_depths=(1, 3), cost_model_cache=cache, repeats=2)
     methods = ["plain", "dfly-depth:1", "dfly-depth:3", "dfly-dcut", "mtp-dcut"]
     assert [r["method"] for r in records] == methods * 2
-    assert all(r["identical"] and r["tokens"] == r["requests"] * 6 for r in records)
-    assert all(r["speedup"] == 1.0 for r in records if r["method"] == "plain")
+    assert all(r["identical"] and r["tokens"] == r["requests"] * 6 and r["repeats"] == 2 for r in records)
+    assert all(r["speedup"] == r["speedup_min"] == r["speedup_max"] == 1.0 for r in records if r["method"] == "plain")
+    assert all(r["speedup_min"] <= r["speedup"] <= r["speedup_max"] for r in records)
     paths = write_concurrency_outputs(records, tmp_path / "out", "test")
     assert "| 3 | dfly-dcut |" in paths["markdown"].read_text() and paths["plot"].stat().st_size > 0
     assert json.loads(paths["json"].read_text())["records"][0]["method"] == "plain"
