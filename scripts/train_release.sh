@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
 # The shipped drafters for the embedded SmolLM2-135M-Instruct target (drafters/), trained on CPU with the project's
-# trainer on data/regenerated/. Round 2 (this script): DFly and DFlash (block 8) continue from the shipped round-1
-# drafters on identical code + math data, steps, batch and seed, both over DFly's pruned 8,192-token draft vocabulary,
-# with 64 anchors per sequence redrawn every step and hard-label CE + KL to the target's logits (online target states:
-# the 11.5k-sequence set is read once, not cached). The two runs go side by side, one thread each; rerunning the
-# script continues each from its last checkpoint. Then each run is written as fp16 to drafters/ (DFlash over the whole
-# vocabulary again: it is the baseline that must stay exportable to z-lab's layout and transformers' DFlash path).
-# Usage: scripts/train_release.sh [STEPS] [OUT]
+# trainer on data/regenerated/. Each round continues from the drafters shipped now, on code + math data, over DFly's
+# pruned 8,192-token draft vocabulary, with 64 anchors per sequence redrawn every step (seeded by SEED, step and
+# example, so a resumed run draws what the uninterrupted one would) and hard-label CE + KL to the target's logits
+# (online target states: the 11.5k-sequence set is read once, not cached). Round 2 trained dfly and dflash side by side
+# (one thread each, identical data, steps, batch and seed: `FAMILIES="dfly dflash" SEED=0 scripts/train_release.sh
+# 1000`); round 3 continued DFly alone (`FAMILIES=dfly SEED=3 scripts/train_release.sh 1000 outputs/release3`).
+# Rerunning the script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/
+# (DFlash over the whole vocabulary again: it is the baseline that must stay exportable to z-lab's layout and
+# transformers' DFlash path).
+# Usage: [FAMILIES="dfly dflash"] [SEED=0] scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-1000}
 OUT=${2:-outputs/release2}
+FAMILIES=${FAMILIES:-dfly dflash}
+SEED=${SEED:-0}
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 5e-4 --warmup_steps 20 --lr_scheduler_type cosine
         --max_seq_length 384 --num_anchors 64 --resample_anchors true --loss_kind ce+kl
         --logging_steps 10 --save_steps 50 --save_total_limit 1 --eval_steps 250 --eval_prompts 8
         --eval_max_new_tokens 64 --report_to tensorboard --use_cpu true --dataloader_num_workers 0
-        --resume true --seed 0 --max_steps "$STEPS"
+        --resume true --seed "$SEED" --max_steps "$STEPS"
         --train_sets gsm8k code_alpaca gpteacher_codegen --draft_vocab_from drafters/smollm2-135m-instruct-dfly)
 train() { OMP_NUM_THREADS=1 .venv/bin/python -c "import sys, torch; torch.set_num_threads(1)
 from angelspec_hf.trainer.run import main; sys.exit(main(sys.argv[1:]))" "$@"; }
-for family in dfly dflash; do
-  cp -n "drafters/smollm2-135m-instruct-$family/README.md" "$OUT/$family-round1-card.md" 2>/dev/null || true
+for family in $FAMILIES; do
+  cp -n "drafters/smollm2-135m-instruct-$family/README.md" "$OUT/$family-previous-card.md" 2>/dev/null || true
   train --drafter_type $family --init_drafter "drafters/smollm2-135m-instruct-$family" --output_dir "$OUT/$family" \
     "${COMMON[@]}" >> "$OUT/$family.log" 2>&1 &
 done
 wait
-.venv/bin/python -m angelspec_hf.ship "$OUT/dfly" drafters/smollm2-135m-instruct-dfly
-.venv/bin/python -m angelspec_hf.ship "$OUT/dflash" drafters/smollm2-135m-instruct-dflash --full-vocab
+for family in $FAMILIES; do
+  extra=(); [ "$family" = dflash ] && extra=(--full-vocab)
+  .venv/bin/python -m angelspec_hf.ship "$OUT/$family" "drafters/smollm2-135m-instruct-$family" "${extra[@]}"
+done
