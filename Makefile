@@ -40,4 +40,6 @@ $(VENV)/.chromium: $(STAMP)
 
 test: $(DRAFTERS) $(VENV)/.chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	@# test files spread over one worker per core (each file's tests stay together: module fixtures load once);
+	@# `pytest` alone runs them one after another, `pytest -m "not real_model"` the fast part
+	$(BIN)/python -m pytest -q -n auto --dist loadfile

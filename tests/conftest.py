@@ -10,18 +10,15 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers import FAMILIES, tiny_target  # noqa: E402
+from helpers import FAMILIES, cores_per_worker, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def one_thread_for_tiny_models(request):
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads cost them up to 10x;
-    tests on the real target (marked `real_model`) keep the default."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
+    tests on the real target (marked `real_model`) get this process's share of the cores."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(cores_per_worker() if request.node.get_closest_marker("real_model") else 1)
     yield
     torch.set_num_threads(threads)
 

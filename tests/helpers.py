@@ -3,6 +3,7 @@ the embedded target loaded once per session, and a live TGI-compatible app on it
 `stats.py`; fixtures in `conftest.py`."""
 
 import functools
+import os
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -16,6 +17,11 @@ FAMILIES = {
     "dflash": (DFlashDrafter, {"block_size": 4}),
     "dfly": (DFlyDrafter, {"block_size": 5}),
 }
+
+
+def cores_per_worker() -> int:
+    """The cores one test process may use: all of them, or its share under `pytest -n N` (pytest-xdist)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def tiny_target(vocab_size=99, seed=0, attn_implementation="eager", skew=6.0):

@@ -17,6 +17,7 @@ from scipy.stats import chi2
 import angelspec_hf
 from angelspec_hf.shipped import shipped_or_untrained
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
+from helpers import cores_per_worker
 
 pytestmark = pytest.mark.real_model
 
@@ -30,7 +31,7 @@ ALPHA = 1e-3
 
 @pytest.fixture(scope="module")
 def real():
-    torch.set_num_threads(2)
+    torch.set_num_threads(cores_per_worker())
     target, tokenizer = angelspec_hf.load_default_target()
     drafter, trained = shipped_or_untrained("mtp", target)
     assert trained, "the shipped MTP drafter is missing"

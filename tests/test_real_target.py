@@ -9,6 +9,7 @@ import torch
 import angelspec_hf
 from angelspec_hf import DFlashDrafter, DFlyDrafter, MTPDrafter
 from angelspec_hf.prompts import chat_input_ids, load_eval_prompts
+from helpers import cores_per_worker
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 24
@@ -16,7 +17,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def real():
-    torch.set_num_threads(2)
+    torch.set_num_threads(cores_per_worker())
     target, tokenizer = angelspec_hf.load_default_target()
     prompts = (load_eval_prompts("mt_bench", 4) + load_eval_prompts("humaneval", 3) + load_eval_prompts("gsm8k", 3))
     inputs = [chat_input_ids(tokenizer, p) for p in prompts]
