@@ -51,8 +51,8 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
     start = time.perf_counter()
     while queue and len(inflight) < concurrency:
         submit()
-    while inflight:
-        for event in engine.step():
+    for events in engine.steps():  # finished requests are replaced below until the queue is empty
+        for event in events:
             i = inflight[event.request_id]
             outputs.setdefault(i, []).extend(event.token_ids)
             tokens += len(event.token_ids)

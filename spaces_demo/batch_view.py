@@ -72,15 +72,15 @@ def run_requests(models, engine, prompts: list[str], max_new_tokens: int) -> dic
     tokens = {rid: [] for rid in rids}
     steps, start = [], time.perf_counter()
     try:
-        while engine.has_work():
-            before = {rid: len(t) for rid, t in tokens.items()}
-            previous = engine.last_step
-            for event in engine.step():
-                tokens[event.request_id] += event.token_ids
-            if engine.last_step is not previous:
-                trace = engine.last_step.to_dict()
-                trace["remaining"] = [max_new_tokens - before.get(r, 0) for r in trace["request_ids"]]
+        previous = engine.last_step
+        for events in engine.steps():
+            if engine.last_step is not previous:  # a step that ran the models (not only a cancellation)
+                previous = engine.last_step
+                trace = previous.to_dict()
+                trace["remaining"] = [max_new_tokens - len(tokens[r]) for r in trace["request_ids"]]
                 steps.append(trace)
+            for event in events:
+                tokens[event.request_id] += event.token_ids
     except BaseException:  # the engine's state is unknown now: build a fresh one next time
         models.engines = {k: e for k, e in models.engines.items() if e is not engine}
         raise

@@ -10,8 +10,8 @@ request is exact rejection sampling, its random numbers keyed by its seed and to
 
     engine = SpeculativeEngine(target, drafter, verify="auto")
     rid = engine.add_request(input_ids, SamplingParams(max_new_tokens=64))
-    while engine.has_work():
-        for event in engine.step(): ...
+    for events in engine.steps():  # step() until every request is done (the server's worker steps on its own)
+        for event in events: ...
 
 This module only orchestrates; each job has its module: `scheduler.py` (who runs), `model_runner.py` (the models'
 tensors: KV pool, the packed forward, drafting inputs, profiling), `dcut.py` (what to draft and verify),
@@ -116,6 +116,11 @@ class SpeculativeEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def steps(self):
+        """`step()` while there is work, yielding each step's events; requests added meanwhile are served too."""
+        while self.has_work():
+            yield self.step()
 
     def add_request(self, input_ids, params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
@@ -319,8 +324,8 @@ def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: 
                                 top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i)
         ids.append(engine.add_request(prompt, params))
     outputs = {i: [] for i in ids}
-    while engine.has_work():
-        for event in engine.step():
+    for events in engine.steps():
+        for event in events:
             outputs[event.request_id].extend(event.token_ids)
     result = [outputs[i] for i in ids]
     return (result, engine) if return_engine else result
