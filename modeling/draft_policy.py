@@ -80,21 +80,64 @@ class LinearFit:
         return max(a + b * x, 1e-6)
 
 
+class StepCost:
+    """Seconds of a target step over `n` new tokens. A plain step (`n = 1`) and a verifying one (`n >= 2`) are
+    different regimes on a CPU: a one-token forward takes attention's fast path, a multi-token one attends over the
+    whole context with a mask (measured: verifying 2-6 tokens cost 1.45 plain steps on this project's machine, flat in
+    n). One line through both bends to fit them: with mostly plain rounds its slope comes from a few probes and
+    overstates verification; with mostly drafted rounds it puts the plain step at a drafted round's cost. So each
+    regime learns from its own rounds: an exponentially weighted mean for `n = 1` and a `LinearFit` for `n >= 2`,
+    both starting from the profile (its line, whose value at 1 is the measured plain forward)."""
+
+    def __init__(self, a: float, b: float, prior_span: float, plain: float | None = None, prior_weight: float = 4.0,
+                 decay: float = 0.99, prior_fade: float = 0.9):
+        self.line = LinearFit(a, b, prior_span=prior_span, prior_weight=prior_weight, decay=decay,
+                              prior_fade=prior_fade)
+        self.decay, self.prior_fade = decay, prior_fade
+        self._prior = torch.tensor([prior_weight, prior_weight * (a + b if plain is None else plain)],
+                                   dtype=torch.float64)
+        self._data = torch.zeros(2, dtype=torch.float64)
+
+    def add(self, n: float, y: float) -> None:
+        if n <= 1:
+            self._data = self._data * self.decay + torch.tensor([1.0, float(y)], dtype=torch.float64)
+            self._prior = self._prior * self.prior_fade
+        else:
+            self.line.add(n, y)
+
+    @property
+    def plain(self) -> float:
+        weight, total = (self._data + self._prior).tolist()
+        return total / weight
+
+    @property
+    def coef(self) -> tuple[float, float]:
+        return self.line.coef
+
+    def __call__(self, n: float) -> float:
+        return max(self.plain, 1e-6) if n <= 1 else self.line(n)
+
+
 @dataclass
 class RoundCosts:
-    """Seconds: `step(n) = a + b·n` (target forward + verification over n new tokens), `draft(k) = c0 + c1·k`."""
+    """Seconds: `step(n) = a + b·n` (target forward + verification over n new tokens), `draft(k) = c0 + c1·k`;
+    `plain_step`, when known, a plain step's own cost (else the line's value at 1: see `StepCost`)."""
 
     step_coef: tuple[float, float]
     draft_coef: tuple[float, float]
     key: str = ""
     path: Path | None = field(default=None, compare=False)  # the cache file it came from (not serialised)
+    plain_step: float | None = None
 
     def to_dict(self) -> dict:
-        return {"step_coef": list(self.step_coef), "draft_coef": list(self.draft_coef), "key": self.key}
+        data = {"step_coef": list(self.step_coef), "draft_coef": list(self.draft_coef), "key": self.key}
+        return data | ({"plain_step": self.plain_step} if self.plain_step is not None else {})
 
     @classmethod
     def from_dict(cls, data: dict) -> RoundCosts:
-        return cls(tuple(data["step_coef"]), tuple(data["draft_coef"]), data.get("key", ""))
+        plain = data.get("plain_step")
+        return cls(tuple(data["step_coef"]), tuple(data["draft_coef"]), data.get("key", ""),
+                   plain_step=None if plain is None else float(plain))
 
 
 @torch.no_grad()
@@ -211,7 +254,7 @@ class DraftLengthPolicy:
     SAVE_EVERY = 32  # timed rounds between write-backs of the refined costs to the cache file
 
     def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64):
-        self.step = LinearFit(*costs.step_coef, prior_span=max_tokens + 1)
+        self.step = StepCost(*costs.step_coef, prior_span=max_tokens + 1, plain=costs.plain_step)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.costs_key, self.costs_path, self._timed = costs.key, costs.path, 0
         self.calibrator = PositionCalibrator(max_tokens)
@@ -295,7 +338,8 @@ class DraftLengthPolicy:
         self._timed += 1
         if self.costs_path is not None and self._timed % self.SAVE_EVERY == 0:
             try:
-                save_round_costs(RoundCosts(self.step.coef, self.draft.coef, self.costs_key, self.costs_path))
+                save_round_costs(RoundCosts(self.step.coef, self.draft.coef, self.costs_key, self.costs_path,
+                                            plain_step=self.step.plain))
             except OSError:
                 pass  # the cache is an optimisation: a read-only one keeps the old profile
 

@@ -1,6 +1,8 @@
 """The cost-aware draft length of the `generate()` hook (`draft_length="auto"`): its fits and decisions against closed
 forms, and the hook with plain rounds in between drafting rounds — lossless, and no context lost to a plain round."""
 
+import json
+
 import pytest
 import torch
 
@@ -71,6 +73,38 @@ def test_policy_learns_costs_from_timed_rounds():
         policy.observe(0, 0, None, 0.054)
     assert policy.step(1) == pytest.approx(0.054, rel=0.05) and policy.step(4) == pytest.approx(0.066, rel=0.05)
     assert policy.draft(3) == pytest.approx(0.010, rel=0.05)
+
+
+def test_plain_and_verifying_steps_are_learned_apart():
+    """On a CPU a multi-token forward leaves attention's fast path: verifying 2-6 tokens cost ~0.1 s, flat, where a
+    plain step cost 0.069 s (measured on this project's machine). One line through both once put the plain step at
+    0.103 s (from drafted rounds only), so drafting looked free and the hook ran at 0.78x; with mostly plain rounds it
+    gave a slope of 0.04 s per token instead. Each regime is now learned from its own rounds."""
+    drafted_only = policy_with(step=(0.054, 0.003), draft=(0.01, 0.002))
+    for i in range(200):
+        drafted_only.observe(1 + i % 5, 1, 0.012, 0.1)
+    assert drafted_only.step(1) == pytest.approx(0.057)  # the profile's plain step, untouched by drafted rounds
+    assert drafted_only.step(3) == pytest.approx(0.1, rel=0.02) and drafted_only.step(6) == pytest.approx(0.1, rel=0.02)
+    # τ 1.25 for 0.112 s is worse than one token per 0.057 s: plain steps now win (the old line said the opposite)
+    assert drafted_only.expected_rate(0) > max(drafted_only.expected_rate(k) for k in range(1, 5))
+
+    mostly_plain = policy_with(step=(0.054, 0.003), draft=(0.01, 0.002))
+    for i in range(300):
+        mostly_plain.observe(0, 0, None, 0.069)
+        if i % 10 == 0:
+            mostly_plain.observe(1 + i % 3, 1, 0.012, 0.1)
+    assert mostly_plain.step(1) == pytest.approx(0.069, rel=0.01)
+    assert mostly_plain.step(8) < 0.12  # no slope invented from a few probes next to many plain steps
+
+
+def test_the_plain_step_cost_survives_the_cache_round_trip(tmp_path):
+    from angelspec_hf.modeling.draft_policy import RoundCosts, save_round_costs
+
+    costs = RoundCosts((0.05, 0.001), (0.0, 0.001), "k", tmp_path / "hook-k.json", plain_step=0.07)
+    save_round_costs(costs)
+    back = RoundCosts.from_dict(json.loads(costs.path.read_text()))
+    assert back.plain_step == 0.07 and back == RoundCosts((0.05, 0.001), (0.0, 0.001), "k", plain_step=0.07)
+    assert RoundCosts.from_dict({"step_coef": [0.05, 0.001], "draft_coef": [0, 0.001]}).plain_step is None  # old files
 
 
 def test_round_costs_are_profiled_once_and_cached(tmp_path):
