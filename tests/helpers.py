@@ -1,5 +1,5 @@
 """Helpers shared by the tests: tiny odd-sized random targets and drafters of every family (fast equivalence tests),
-the embedded target loaded once per session, and a live TGI-compatible app on it. Statistical helpers are in
+the served model (a tiny Llama with the real tokenizer) and a live TGI-compatible app on it. Statistical helpers are in
 `stats.py`; fixtures in `conftest.py`."""
 
 import functools
@@ -94,13 +94,6 @@ def same_drafts(a, b, target):
     pa = propose(a, target, a.new_draft_state(), features, ids)
     pb = propose(b, target, b.new_draft_state(), features, ids)
     return torch.equal(pa[0], pb[0]) and torch.allclose(pa[1], pb[1], atol=1e-6)
-
-
-@functools.lru_cache(maxsize=None)
-def real_target():
-    """The embedded target and tokenizer, loaded once per test session (identity on real prompts, shipped drafters)."""
-    torch.set_num_threads(1)
-    return angelspec_hf.load_default_target()
 
 
 @functools.lru_cache(maxsize=None)
