@@ -18,6 +18,7 @@ from angelspec_hf.modeling import (
     SpeculationStats,
     load_foreign_checkpoint,
 )
+from angelspec_hf.cpu_kernels import prepack_linears
 from angelspec_hf.targets import load_default_target, load_target
 
 for _config_cls, _model_cls in DRAFTERS.values():
@@ -40,7 +41,7 @@ def load_drafter(name_or_path, **kwargs) -> DrafterPreTrainedModel:
 __version__ = "0.1.0"
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DrafterPreTrainedModel", "MTPConfig",
-    "MTPDrafter", "SpeculationStats", "load_default_target", "load_drafter", "load_target",
+    "MTPDrafter", "SpeculationStats", "load_default_target", "load_drafter", "load_target", "prepack_linears",
 ]
 
 

@@ -187,7 +187,8 @@ def concurrency_main(args, target, tokenizer, drafters: dict, untrained: list, p
                f"greedy; prompts: {', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())} (chat template); "
                + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else 'trained'} (draft {d.num_draft_tokens})"
                            for f, d in chosen.items())
-               + f"; {platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}")
+               + f"; {platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}; "
+               f"linear kernels: {getattr(args, 'kernels_line', 'stock')}")
     depths = [int(d) for d in args.fixed_depths.split(",") if d]
     records = run_concurrency_bench(target, chosen, prompts, concurrencies, args.requests_per_client,
                                     args.max_new_tokens, depths, repeats=args.repeats)

@@ -15,6 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
+from angelspec_hf.cpu_kernels import add_linear_kernels_argument, use_linear_kernels
+
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
 
@@ -50,6 +52,7 @@ def cmd_generate(args) -> int:
             )
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)
+    kernels = use_linear_kernels(args.linear_kernels, target, drafter)
     input_ids = chat_input_ids(tokenizer, args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
@@ -75,6 +78,7 @@ def cmd_generate(args) -> int:
           f"per round (block {block})")
     print(f"setting            : greedy (temperature 0), {new_tokens} new tokens, median of {args.repeats} runs, "
           f"{platform.machine()} CPU, {args.threads} threads")
+    print(f"linear kernels     : {kernels}, for both")
     print(f"identical to plain : yes ({args.repeats}/{args.repeats} runs)")
     print(f"mean accepted len  : {statistics.median(taus):.2f} tokens per target forward (bonus token included)")
     print(f"plain generate     : {new_tokens / t_plain:.1f} tok/s ({t_plain:.2f} s)")
@@ -133,6 +137,7 @@ def cmd_serve(args) -> int:
                   "target's own, but expect a slow-down (the cost model falls back to plain steps).")
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)
+    print(f"linear kernels: {use_linear_kernels(args.linear_kernels, target, drafter)}")
     if args.verify == "auto":
         print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)
     engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size)
@@ -144,7 +149,7 @@ def cmd_serve(args) -> int:
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
         max_payload_bytes=args.payload_limit, max_client_batch_size=args.max_client_batch_size,
         info_extra={"angelspec": {"drafter": args.drafter, "drafter_trained": trained, "verify": args.verify,
-                                  "max_batch_size": args.max_batch_size}},
+                                  "max_batch_size": args.max_batch_size, "linear_kernels": args.linear_kernels}},
     )
     serve(app, host=args.host, port=args.port)
     return 0
@@ -233,6 +238,7 @@ def main(argv=None) -> int:
     gen.add_argument("--repeats", type=int, default=3)
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     gen.add_argument("--seed", type=int, default=0)
+    add_linear_kernels_argument(gen)
     gen.set_defaults(func=cmd_generate)
     inst = sub.add_parser("install-drafters", help="put the shipped drafters into the local HF cache under their "
                           "Hub ids (offline), where `generate`, `serve`, `bench` and the demo find them")
@@ -281,6 +287,7 @@ def main(argv=None) -> int:
     srv.add_argument("--payload-limit", type=int, default=2_000_000, help="request body bytes (TGI's flag)")
     srv.add_argument("--max-client-batch-size", type=int, default=4, help="prompts per /v1/completions request")
     srv.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    add_linear_kernels_argument(srv)
     srv.set_defaults(func=cmd_serve)
     demo = sub.add_parser("demo", help="the Gradio Space, locally: plain vs speculative generation, live")
     demo.add_argument("--host", default="127.0.0.1")

@@ -160,9 +160,11 @@ class DemoModels:
         try:
             if self.target is None:
                 self.target, self.tokenizer = angelspec_hf.load_default_target()
+            angelspec_hf.prepack_linears(self.target)  # oneDNN-prepacked weights: plain and speculative alike
             for family, name in FAMILIES.items():
                 self.message = f"Loading the {name} drafter..."
                 self.drafters[family], self.trained[family] = self._load_drafter(family)
+                angelspec_hf.prepack_linears(self.drafters[family])
             self.router = DrafterRouter({f: self.drafters[f] for f in ("mtp", "dfly")}, self.tokenizer)
             if self.warmup:  # the first call of each path pays one-off costs: keep them out of the measured runs
                 self.message = "Warming up..."

@@ -97,6 +97,30 @@ def test_batched_engine_is_lossless_on_real_prompts(real, family, verify):
         assert out == ref[0, ids.shape[1]:].tolist()
 
 
+def test_prepacked_real_target_with_the_shipped_dfly_is_lossless(real):
+    """`--linear-kernels prepacked` (the CLI's default): the real target and the shipped DFly on oneDNN-prepacked
+    weights. Speculative output equals the prepacked target's own greedy output on all ten prompts, through the
+    `generate()` hook (whole blocks) and the batched engine."""
+    import copy
+
+    from angelspec_hf.cpu_kernels import prepack_linears
+    from angelspec_hf.shipped import shipped_or_untrained
+    from angelspec_hf.tgi_patch.engine import generate_batch
+
+    target = copy.deepcopy(real[0])
+    _, _, inputs, _ = real
+    drafter, trained = shipped_or_untrained("dfly", target)
+    drafter.config.draft_length = "full"
+    assert trained and prepack_linears(target) == 30 * 7 + 1 and prepack_linears(drafter) > 0
+    plain = [target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False) for ids in inputs]
+    for ids, ref in zip(inputs, plain):
+        assert torch.equal(target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter),
+                           ref)
+    outputs = generate_batch(target, drafter, [ids[0].tolist() for ids in inputs], max_new_tokens=NEW_TOKENS,
+                             verify=6, max_batch_size=4)
+    assert outputs == [ref[0, ids.shape[1]:].tolist() for ids, ref in zip(inputs, plain)]
+
+
 @pytest.mark.parametrize("family,prompt_index", [("dfly", 4), ("dflash", 7), ("mtp", 0)])
 def test_shipped_drafters(real, family, prompt_index):
     """The drafters in drafters/ load (fp16 on disk, the target's dtype in use), fit the target, keep greedy output

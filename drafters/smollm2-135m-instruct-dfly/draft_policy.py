@@ -34,14 +34,22 @@ import torch
 
 
 def hardware_key(model, drafter=None) -> str:
-    """Which measured costs apply: the models' configs and dtypes, the device and the CPU threads."""
+    """Which measured costs apply: the models' configs and dtypes, the device, the CPU threads and the linear kernels
+    (a model whose linears read oneDNN-prepacked weights, `angelspec_hf.cpu_kernels`, has costs of its own)."""
     device = next(model.parameters()).device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     parts = [model.config.to_json_string(use_diff=False), str(model.dtype), str(device.type), name,
              str(torch.get_num_threads()), torch.__version__]
     if drafter is not None:
         parts += [drafter.config.to_json_string(use_diff=False), str(drafter.dtype)]
+    packed = [m for m in (model, drafter) if m is not None and _prepacked(m)]
+    if packed:  # only then, so the keys of stock models (and their cached files) stay as they were
+        parts.append("prepacked:" + ",".join("target" if m is model else "drafter" for m in packed))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _prepacked(model) -> bool:
+    return any(getattr(m, "packed_for_cpu", False) and getattr(m, "enabled", True) for m in model.modules())
 
 
 def default_cache_dir() -> Path:

@@ -1,0 +1,133 @@
+"""Linear layers on oneDNN's prepacked weights, for CPU inference.
+
+On a CPU, `torch.nn.functional.linear` goes to MKL: a one-token forward runs as matrix-vector products, a forward of
+2-8 tokens as a small GEMM that costs up to twice as much although it reads the same weights. So a speculative round
+that verifies 8 tokens costs 1.4-1.8 plain decode steps, and most of a drafter's gain is spent there. oneDNN, which
+ships inside PyTorch, can reorder a weight once into the blocked layout its kernels read
+(`torch.ops.mkldnn._reorder_linear_weight`, what `torch.compile`'s CPU freezing pass uses); its linear
+(`torch.ops.mkldnn._linear_pointwise`) then costs about the same for 1 token as for 8, and less than MKL's for 1.
+Measured on this project's 2-core x86_64 machine with SmolLM2-135M-Instruct (fp32, 2 threads, 256-token cache): one
+forward of 1 / 8 tokens took 63 / 85 ms with MKL and 47 / 54 ms prepacked (`benchmarks/linear_kernels.py`).
+
+`prepack_linears(model)` swaps every fp32 `nn.Linear` of `model` for a `PrepackedLinear` in place. The module keeps
+its `weight` parameter (state dicts, weight tying, `get_output_embeddings()`, pruned draft heads all see the same
+tensor) and holds the packed copy beside it, so a packed model takes the weights' memory twice. The packed copy is
+made again when the weight changes (`weight._version`), and autograd, other devices and other dtypes take the stock
+`F.linear`, so a model that is trained after packing still trains.
+
+Numerics: the two libraries sum in different orders, so logits differ in the last bits (about 5e-5 on this target)
+and a greedy near-tie can, rarely, resolve differently. A packed target is the target whose own greedy output
+speculative decoding reproduces token for token: compare speculative and plain decoding on the same model, packed or
+not, as `angelspec bench` does (its `ar_stock` method times plain decoding with the stock kernels beside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+__all__ = ["PrepackedLinear", "is_prepacked", "prepack_available", "prepack_linears", "stock_linears",
+           "use_linear_kernels"]
+
+KERNELS = ("prepacked", "stock")
+
+
+def prepack_available() -> bool:
+    """Whether this PyTorch build has oneDNN's prepacked linear (x86/ARM CPU builds with MKL-DNN)."""
+    return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PrepackedLinear(nn.Linear):
+    """An `nn.Linear` whose inference forward reads a oneDNN-prepacked copy of its weight (see the module docstring).
+    `enabled = False` makes it a plain `nn.Linear` again (`stock_linears`)."""
+
+    packed_for_cpu = True  # what `hardware_key` looks for: measured costs of a packed model are its own
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.weight, module.bias = linear.weight, linear.bias  # the same parameters, not copies
+        module.enabled, module._packed, module._packed_of = True, None, None
+        return module
+
+    def _usable(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (self.enabled and w.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32
+                and x.numel() > 0 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
+    def _packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        version = (w.data_ptr(), w._version)
+        if self._packed_of != version:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._packed_of = version
+        return self._packed
+
+    def __getstate__(self):  # the packed copy is an opaque oneDNN tensor: copies and pickles pack again when used
+        state = super().__getstate__()
+        return {**state, "_packed": None, "_packed_of": None}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._usable(x):
+            return nn.functional.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", prepacked={self.enabled}"
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Swap every fp32 CPU `nn.Linear` in `model` for a `PrepackedLinear` sharing its parameters; returns how many
+    (0 when oneDNN is not available, or the model is elsewhere or in another dtype). Idempotent."""
+    if not prepack_available():
+        return 0
+    count = 0
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
+                    and child.weight.dtype == torch.float32):
+                setattr(parent, name, PrepackedLinear.from_linear(child))
+                count += 1
+    return count
+
+
+def is_prepacked(model: nn.Module) -> bool:
+    return any(isinstance(m, PrepackedLinear) and m.enabled for m in model.modules())
+
+
+@contextlib.contextmanager
+def stock_linears(model: nn.Module, stock: bool = True):
+    """Within the block, `model`'s prepacked linears use the stock `F.linear` (when `stock`; a no-op otherwise)."""
+    packed = [m for m in model.modules() if isinstance(m, PrepackedLinear) and m.enabled] if stock else []
+    for m in packed:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in packed:
+            m.enabled = True
+
+
+def use_linear_kernels(kind: str, *models) -> str:
+    """Apply `--linear-kernels` (`KERNELS`) to `models` (anything not an `nn.Module`, such as a router, is skipped);
+    returns the line the commands print and record."""
+    if kind not in KERNELS:
+        raise ValueError(f"linear kernels must be one of {KERNELS}, got {kind!r}")
+    if kind == "stock":
+        return "stock (torch.nn.functional.linear)"
+    count = sum(prepack_linears(m) for m in models if isinstance(m, nn.Module))
+    return f"oneDNN prepacked ({count} linears)" if count else "stock (oneDNN prepacking unavailable here)"
+
+
+def add_linear_kernels_argument(parser) -> None:
+    parser.add_argument("--linear-kernels", choices=KERNELS, default="prepacked",
+                        help="prepacked: the target's and drafter's fp32 CPU linears read oneDNN-prepacked weights "
+                             "(a multi-token verify costs about one decode step; see angelspec_hf.cpu_kernels); "
+                             "stock: torch's F.linear")

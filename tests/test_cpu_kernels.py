@@ -1,0 +1,112 @@
+"""Linears on oneDNN-prepacked weights (`angelspec_hf.cpu_kernels`): the same function as `nn.Linear`, the same
+parameters (state dict, tied embeddings, training), and speculative decoding on a prepacked target stays lossless."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from angelspec_hf.cpu_kernels import (PrepackedLinear, is_prepacked, prepack_available, prepack_linears,
+                                      stock_linears, use_linear_kernels)
+from helpers import tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this PyTorch build has no oneDNN (MKL-DNN)")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 24), (5, 24), (2, 8, 24), (3, 1, 24)])
+def test_prepacked_linear_computes_what_nn_linear_does(shape, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40, bias=bias)
+    packed = PrepackedLinear.from_linear(linear)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        out, ref = packed(x), linear(x)
+    assert packed._packed is not None  # the oneDNN path ran, not the fallback
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prepacking_keeps_the_parameters_and_follows_their_changes():
+    target = tiny_target()
+    target.config.tie_word_embeddings = True
+    target.tie_weights()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    lm_head = target.lm_head.weight
+    count = prepack_linears(target)
+    assert count == 4 * 7 + 1 and prepack_linears(target) == 0  # idempotent
+    assert is_prepacked(target) and isinstance(target.lm_head, PrepackedLinear)
+    assert target.lm_head.weight is lm_head is target.model.embed_tokens.weight  # still tied, nothing copied
+    after = target.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = target(ids).logits
+        target.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # an in-place change: the packed copy is made again
+        changed = target(ids).logits
+        with stock_linears(target):
+            assert not is_prepacked(target)
+            stock = target(ids).logits
+    assert is_prepacked(target)
+    assert not torch.allclose(logits, changed, atol=1e-3) and torch.allclose(changed, stock, atol=1e-4)
+
+
+def test_a_prepacked_model_still_trains_copies_and_pickles():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 2))
+    reference = copy.deepcopy(model)
+    prepack_linears(model)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        model(x)  # packs
+    model(x).square().sum().backward()  # autograd takes the stock path
+    reference(x).square().sum().backward()
+    assert all(torch.allclose(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    twin = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    with torch.no_grad():
+        assert torch.allclose(twin(x), model(x))
+
+
+def test_linear_kernels_choice():
+    target = tiny_target()
+    assert use_linear_kernels("stock", target).startswith("stock") and not is_prepacked(target)
+    assert use_linear_kernels("prepacked", target, None, object()) == "oneDNN prepacked (29 linears)"
+    with pytest.raises(ValueError, match="prepacked"):
+        use_linear_kernels("fast", target)
+
+
+def test_prepacked_models_get_their_own_cost_profiles():
+    from angelspec_hf.modeling.draft_policy import hardware_key
+
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    stock_key = hardware_key(target, drafter)
+    prepack_linears(target)
+    packed_key = hardware_key(target, drafter)
+    with stock_linears(target):
+        assert hardware_key(target, drafter) == stock_key  # unchanged for stock models: their cached files still apply
+    prepack_linears(drafter)
+    assert len({stock_key, packed_key, hardware_key(target, drafter)}) == 3
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_speculation_on_a_prepacked_target_is_lossless(family):
+    """Target and drafter prepacked: greedy speculative output equals the prepacked target's own greedy output, through
+    the `generate()` hook and the batched engine."""
+    from angelspec_hf.tgi_patch.engine import generate_batch
+
+    target = tiny_target()
+    drafter = tiny_drafter(family, target)
+    prepack_linears(target)
+    prepack_linears(drafter)
+    prompts = [[5, 6, 7], [9] * 12, [4, 3, 8, 8, 1, 7]]
+    plain = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False) for p in prompts]
+    for p, ref in zip(prompts, plain):
+        out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, ref)
+    assert drafter.last_speculation_stats.accepted  # rounds were drafted and verified
+    outputs = generate_batch(target, drafter, prompts, max_new_tokens=20, verify=4)
+    assert outputs == [ref[0, len(p):].tolist() for p, ref in zip(prompts, plain)]
