@@ -90,9 +90,9 @@ class LinearFit:
 
 class StepCost:
     """Seconds of a target step over `n` new tokens. A plain step (`n = 1`) and a verifying one (`n >= 2`) are
-    different regimes on a CPU: a one-token forward takes attention's fast path, a multi-token one attends over the
-    whole context with a mask (measured: verifying 2-6 tokens cost 1.45 plain steps on this project's machine, flat in
-    n). One line through both bends to fit them: with mostly plain rounds its slope comes from a few probes and
+    different regimes on a CPU: with the stock kernels a one-token forward runs its linears as MKL matrix-vector
+    products and a multi-token one as small GEMMs, which cost more for the same weights (measured: verifying 2-6 tokens
+    cost 1.45 plain steps on this project's machine, flat in n; 1.1 with oneDNN-prepacked weights). One line through both bends to fit them: with mostly plain rounds its slope comes from a few probes and
     overstates verification; with mostly drafted rounds it puts the plain step at a drafted round's cost. So each
     regime learns from its own rounds: an exponentially weighted mean for `n = 1` and a `LinearFit` for `n >= 2`,
     both starting from the profile (its line, whose value at 1 is the measured plain forward)."""

@@ -103,10 +103,12 @@ def test_speculation_on_a_prepacked_target_is_lossless(family):
     prepack_linears(target)
     prepack_linears(drafter)
     prompts = [[5, 6, 7], [9] * 12, [4, 3, 8, 8, 1, 7]]
+    outputs = generate_batch(target, drafter, prompts, max_new_tokens=20, verify=4)
+    packed = [m for model in (target, drafter) for m in model.modules() if isinstance(m, PrepackedLinear)]
+    assert all(m._packed is not None for m in packed)  # the engine's forwards ran on the packed weights
     plain = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False) for p in prompts]
     for p, ref in zip(prompts, plain):
         out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, ref)
     assert drafter.last_speculation_stats.accepted  # rounds were drafted and verified
-    outputs = generate_batch(target, drafter, prompts, max_new_tokens=20, verify=4)
     assert outputs == [ref[0, len(p):].tolist() for p, ref in zip(prompts, plain)]

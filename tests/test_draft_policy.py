@@ -76,7 +76,7 @@ def test_policy_learns_costs_from_timed_rounds():
 
 
 def test_plain_and_verifying_steps_are_learned_apart():
-    """On a CPU a multi-token forward leaves attention's fast path: verifying 2-6 tokens cost ~0.1 s, flat, where a
+    """On a CPU a multi-token forward runs its linears as small GEMMs: verifying 2-6 tokens cost ~0.1 s, flat, where a
     plain step cost 0.069 s (measured on this project's machine). One line through both once put the plain step at
     0.103 s (from drafted rounds only), so drafting looked free and the hook ran at 0.78x; with mostly plain rounds it
     gave a slope of 0.04 s per token instead. Each regime is now learned from its own rounds."""
