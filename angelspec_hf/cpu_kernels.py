@@ -122,8 +122,14 @@ def use_linear_kernels(kind: str, *models) -> str:
         raise ValueError(f"linear kernels must be one of {KERNELS}, got {kind!r}")
     if kind == "stock":
         return "stock (torch.nn.functional.linear)"
-    count = sum(prepack_linears(m) for m in models if isinstance(m, nn.Module))
-    return f"oneDNN prepacked ({count} linears)" if count else "stock (oneDNN prepacking unavailable here)"
+    modules = [m for m in models if isinstance(m, nn.Module)]
+    for model in modules:
+        prepack_linears(model)
+    count = sum(isinstance(m, PrepackedLinear) for model in modules for m in model.modules())
+    if count:
+        return f"oneDNN prepacked ({count} linears)"
+    why = "no fp32 CPU linears" if prepack_available() else "this PyTorch has no oneDNN"
+    return f"stock ({why} to prepack)"
 
 
 def add_linear_kernels_argument(parser) -> None:

@@ -74,6 +74,8 @@ def test_linear_kernels_choice():
     target = tiny_target()
     assert use_linear_kernels("stock", target).startswith("stock") and not is_prepacked(target)
     assert use_linear_kernels("prepacked", target, None, object()) == "oneDNN prepacked (29 linears)"
+    assert use_linear_kernels("prepacked", target) == "oneDNN prepacked (29 linears)"  # already packed: said so
+    assert use_linear_kernels("prepacked", tiny_target().to(torch.float16)) == "stock (no fp32 CPU linears to prepack)"
     with pytest.raises(ValueError, match="prepacked"):
         use_linear_kernels("fast", target)
 
