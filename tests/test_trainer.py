@@ -199,3 +199,18 @@ def test_cached_features_match_online(setup, tmp_path):
         online = trainer.compute_loss(drafter, online_batch, num_items_in_batch=100)
         from_cache = trainer.compute_loss(drafter, cached_batch, num_items_in_batch=100)
     assert from_cache.item() == pytest.approx(online.item(), rel=1e-2)
+
+
+def test_measured_acceptance_is_the_drafters_own(setup):
+    """The training callback's τ drafts whole blocks and verifies no n-gram lookups, even for a drafter configured to
+    serve with them: a lookup-inflated τ once made a checkpoint look 50% better than the drafter it continued."""
+    from angelspec_hf.trainer.evaluation import measure_acceptance
+
+    target, tokenizer, _ = setup
+    drafter = make_drafter("dfly", target).eval()
+    drafter.config.lookup_tokens, drafter.config.draft_length = 10, "auto"
+    prompt = "Repeat after me: one two three, one two three, one two three, one two three."
+    result = measure_acceptance(target, drafter, tokenizer, [prompt], max_new_tokens=24)
+    stats = drafter.last_speculation_stats
+    assert stats.lookup_rounds == 0 and stats.plain_steps == 0 and result["rounds"] == stats.rounds > 0
+    assert drafter.config.lookup_tokens == 10 and drafter.config.draft_length == "auto"  # restored

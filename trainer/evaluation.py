@@ -15,14 +15,16 @@ DOMAIN_EVAL_SETS = {"mtp": ("mt_bench",), "dflash": ("humaneval", "gsm8k"), "dfl
 
 @contextmanager
 def whole_blocks(drafter):
-    """Draft every round's whole block (no cost-aware length, no confidence cut): acceptance measured this way is the
-    drafter's own, not the serving policy's."""
-    saved = drafter.config.draft_length, drafter.config.draft_stop_threshold
-    drafter.config.draft_length, drafter.config.draft_stop_threshold = "full", 0.0
+    """Draft every round's whole block (no cost-aware length, no confidence cut, no n-gram lookup rounds): acceptance
+    measured this way is the drafter's own, not the serving policy's."""
+    keys = ("draft_length", "draft_stop_threshold", "lookup_tokens")
+    saved = {key: getattr(drafter.config, key, None) for key in keys}
+    drafter.config.draft_length, drafter.config.draft_stop_threshold, drafter.config.lookup_tokens = "full", 0.0, 0
     try:
         yield drafter
     finally:
-        drafter.config.draft_length, drafter.config.draft_stop_threshold = saved
+        for key, value in saved.items():
+            setattr(drafter.config, key, value)
 
 
 @torch.no_grad()
