@@ -109,6 +109,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self._pending: list[torch.Tensor] = []  # target features kept from plain rounds, not yet given to the drafter
         self._pending_length = 0
         self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None}
+        self._last_round_end: float | None = None
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.state = drafter.new_draft_state()
         self.stats = SpeculationStats()
@@ -218,15 +219,16 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, draft], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        returned_at = self._round["returned_at"]
+        returned_at, now = self._round["returned_at"], time.perf_counter()
         if self.policy is not None and returned_at is not None:  # the target forward and verification just timed
             if self._round["lookup"] is not None:
                 self.policy.observe_lookup(self._round["lookup"], self._round["drafted"], int(num_matches),
-                                           time.perf_counter() - returned_at)
-            else:
+                                           now - returned_at)
+            else:  # a whole round's wall time: from the end of the round (or prefill) before to now
+                round_seconds = None if self._last_round_end is None else now - self._last_round_end
                 self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
-                                    time.perf_counter() - returned_at)
-        self._round["returned_at"] = None
+                                    now - returned_at, round_seconds)
+        self._round["returned_at"], self._last_round_end = None, now
         if len(self.stats.accepted) < len(self.stats.proposed):
             self.stats.accepted.append(int(num_matches))
 

@@ -15,6 +15,9 @@ help, and better drafters turn directly into longer rounds.
   before it were, as a function of the drafter's confidence there (the peak of its distribution), per position,
   learned from the verification outcomes. The confidence is known before the token at `j` is drawn, and every
   decision about position `j + 1` is taken after position `j` was drawn, so sampling stays exact.
+* What rounds actually delivered (`MeasuredRates`): tokens per second of drafted and of plain rounds, wall time
+  included. When drafted rounds have delivered less, the policy backs off to plain steps whatever the model expects,
+  so a wrong cost or acceptance estimate cannot make `generate` slower for long.
 
 The state lives on the drafter (`drafter.draft_policy`), so what one `generate` call learned serves the next.
 """
@@ -215,6 +218,32 @@ def load_or_profile_round_costs(target, drafter, cache_dir=None) -> RoundCosts:
     return costs
 
 
+class MeasuredRates:
+    """Decode tokens per second that plain and speculative steps (or `generate()` rounds) have actually delivered, per
+    batch size (rows decoding, in power-of-two buckets; the hook is batch 1), as exponential moving averages over steps
+    without prefill. The cost model plans a step; these say whether such plans have paid on this machine, under its
+    present load, with every overhead the model does not see. The batched engine and the `generate()` hook both back
+    off to plain steps by them."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.rates: dict[tuple[bool, int], float] = {}
+
+    @staticmethod
+    def bucket(n_dec: int) -> int:
+        return max(n_dec, 1).bit_length()
+
+    def observe(self, speculative: bool, n_dec: int, tokens: int, seconds: float) -> None:
+        if n_dec <= 0 or seconds <= 0:
+            return
+        key, rate = (speculative, self.bucket(n_dec)), tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + self.smoothing * (rate - old)
+
+    def get(self, speculative: bool, n_dec: int) -> float | None:
+        return self.rates.get((speculative, self.bucket(n_dec)))
+
+
 class PositionCalibrator:
     """P(draft position j accepted | positions < j accepted), binned by the drafter's confidence, one table per
     position. Each cell starts at a prior (`prior_weight` pseudo-observations at the bin's confidence, scaled by
@@ -261,7 +290,8 @@ class DraftLengthPolicy:
 
     SAVE_EVERY = 32  # timed rounds between write-backs of the refined costs to the cache file
 
-    def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64):
+    def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64,
+                 measure: bool = True):
         self.step = StepCost(*costs.step_coef, prior_span=max_tokens + 1, plain=costs.plain_step)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.costs_key, self.costs_path, self._timed = costs.key, costs.path, 0
@@ -271,6 +301,9 @@ class DraftLengthPolicy:
         self.max_tokens = max_tokens
         self.probe_every, self.max_backoff = probe_every, max_backoff
         self.backoff, self.plain_left, self.probe_due = probe_every, 0, False
+        # what drafted and plain rounds have actually delivered, wall time included (None: `measure=False`)
+        self.measured = MeasuredRates() if measure else None
+        self._unmeasured = 0
         self._round: list[float] = []
         self._survival = self._expected = 1.0
 
@@ -284,8 +317,11 @@ class DraftLengthPolicy:
         return tokens / ((self.draft(k) if k else 0.0) + self.step(1 + k))
 
     def start_round(self, max_tokens: int) -> bool:
-        """Draft this round? No when no block length is expected to beat a plain step; after such a verdict drafting
-        is retried (a probe) after `backoff` plain steps, the wait doubling while drafting keeps losing."""
+        """Draft this round? No when no block length is expected to beat a plain step, or when drafted rounds have
+        actually delivered fewer tokens per second than plain ones (`measured`: the model's costs and acceptance can
+        both be off, e.g. on a prompt unlike the ones acceptance was learned on). After such a verdict drafting is
+        retried (a probe) after `backoff` plain steps, the wait doubling while drafting keeps losing. While only
+        drafted rounds have been measured, one round in `probe_every` is plain, to measure that too."""
         self._round, self._survival, self._expected = [], 1.0, 1.0
         if max_tokens < 1:
             return False
@@ -295,12 +331,24 @@ class DraftLengthPolicy:
         if self.probe_due:  # a probe keeps the acceptance estimates current while drafting does not pay
             self.probe_due = False
             return True
-        if max(self.expected_rate(k) for k in range(1, max_tokens + 1)) > self.expected_rate(0):
+        if self.measured is not None and self.measured.get(True, 1) is not None and self.measured.get(False, 1) is None:
+            self._unmeasured = (self._unmeasured + 1) % self.probe_every
+            if self._unmeasured == 0:
+                return False
+        if max(self.expected_rate(k) for k in range(1, max_tokens + 1)) > self.expected_rate(0) \
+                and not self.measured_loss():
             self.backoff = self.probe_every
             return True
         self.plain_left, self.probe_due = self.backoff - 1, True
         self.backoff = min(2 * self.backoff, self.max_backoff)
         return False
+
+    def measured_loss(self) -> bool:
+        """Have drafted rounds delivered fewer tokens per second than plain ones, as measured?"""
+        if self.measured is None:
+            return False
+        drafted, plain = self.measured.get(True, 1), self.measured.get(False, 1)
+        return drafted is not None and plain is not None and drafted < plain
 
     def best_rate(self, max_tokens: int) -> float:
         """Expected tokens per second of the best of a plain step and a drafted round of up to `max_tokens`."""
@@ -351,7 +399,12 @@ class DraftLengthPolicy:
             except OSError:
                 pass  # the cache is an optimisation: a read-only one keeps the old profile
 
-    def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None) -> None:
+    def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None,
+                round_seconds: float | None = None) -> None:
+        """A verified round (or a plain step, `drafted = 0`): `draft_seconds` drafting, `step_seconds` the target
+        forward with verification, `round_seconds` the whole round's wall time (None: not timed, e.g. after prefill)."""
+        if round_seconds is not None and self.measured is not None:
+            self.measured.observe(drafted > 0, 1, 1 + accepted, round_seconds)
         if drafted:
             self.calibrator.update(self._round[:drafted], accepted)
             if draft_seconds is not None:

@@ -65,6 +65,37 @@ def test_policy_drafts_what_pays_and_backs_off_when_nothing_does():
     assert bad.expected_rate(1) < bad.expected_rate(0)
 
 
+def test_policy_backs_off_when_drafted_rounds_deliver_less_than_plain_ones():
+    """The model can be wrong (costs profiled under another load, overheads it does not see, acceptance learned on
+    other prompts): what rounds actually delivered decides. Here every draft token is accepted and the profile says
+    a verify is nearly free, but drafted rounds, timed whole, give 2 tokens in 0.11 s against plain rounds' 1 in
+    0.05 s."""
+
+    def run(policy, rounds=300, drafted_seconds=0.11):
+        decisions = []
+        for _ in range(rounds):
+            drafted = policy.start_round(4)
+            decisions.append(drafted)
+            if drafted:
+                policy.keep_drafting(0.95, 1)
+                policy.observe(1, 1, None, None, round_seconds=drafted_seconds)
+            else:
+                policy.observe(0, 0, None, None, round_seconds=0.05)
+        return decisions
+
+    measured = policy_with(step=(0.02, 0.001), draft=(0.0, 0.001))
+    decisions = run(measured)
+    assert measured.expected_rate(1) > measured.expected_rate(0)  # still what the model says
+    assert measured.measured_loss()
+    assert decisions[:2] == [True, True] and not all(decisions[: 1 + measured.probe_every])  # plain measured early
+    assert sum(decisions[-100:]) <= 4  # then plain, with ever rarer probes
+    unmeasured = DraftLengthPolicy(RoundCosts((0.02, 0.001), (0.0, 0.001)), 4, measure=False)
+    assert all(run(unmeasured))  # the model alone keeps drafting at a loss
+    # drafting resumes once drafted rounds deliver more than plain ones
+    measured.plain_left = 0
+    assert sum(run(measured, 100, drafted_seconds=0.06)[-50:]) >= 45
+
+
 def test_policy_learns_costs_from_timed_rounds():
     policy = policy_with(step=(1.0, 1.0), draft=(1.0, 1.0))
     for i in range(300):

@@ -175,8 +175,10 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
     from angelspec_hf.modeling.draft_policy import DraftLengthPolicy, RoundCosts
 
     class LearnedAcceptanceFixedCosts(DraftLengthPolicy):  # timing-independent, so the test is reproducible
-        def observe(self, drafted, accepted, draft_seconds, step_seconds):
-            super().observe(drafted, accepted, None, None)
+        def observe(self, drafted, accepted, draft_seconds, step_seconds, round_seconds=None):
+            # rounds "timed" by their outcome, so the measured-rate back-off switches drafting off and on from the
+            # draws of earlier rounds, as real timings would
+            super().observe(drafted, accepted, None, None, round_seconds=0.05 + 0.002 * drafted)
 
     new_tokens = 4  # up to two drafted positions per round
     drafter = peaked_drafter("dfly", target)
@@ -187,6 +189,7 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
     samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=4)
     assert rounds < proposed < 2 * rounds  # the policy drafted one token in some rounds, two in others
     assert 0 < accepted < proposed
+    assert policy.measured.get(False, 1) is not None  # the measured back-off made some rounds plain
     _assert_exact_and_wrong_correction_caught(
         target, drafter, new_tokens, exact, samples, 5, monkeypatch,
         f"hook dfly, draft_length=auto, {DRAWS} draws, {rounds} rounds, {proposed} drafted, {accepted} accepted")

@@ -20,7 +20,11 @@ from pathlib import Path
 import torch
 
 from angelspec_hf.modeling.candidate_generator import ngram_continuation
-from angelspec_hf.modeling.draft_policy import default_cache_dir, hardware_key  # one key for every cost model
+from angelspec_hf.modeling.draft_policy import (  # one key for every cost model, one measured-rate rule
+    MeasuredRates,
+    default_cache_dir,
+    hardware_key,
+)
 
 from . import kernels
 
@@ -228,30 +232,6 @@ def plan_acceptance(accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor
     """The acceptance probabilities `[B, K]` "auto" mode plans the step with: a sampled row's own positions after
     the first depend on its drawn tokens, so it is planned as if every position were as likely as its first."""
     return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
-
-
-class MeasuredRates:
-    """Decode tokens per second that plain and speculative steps have actually delivered, per batch size (rows
-    decoding, in power-of-two buckets), as exponential moving averages over steps without prefill. The cost model
-    plans a step; these say whether such plans have paid on this machine, under its present load."""
-
-    def __init__(self, smoothing: float = 0.2):
-        self.smoothing = smoothing
-        self.rates: dict[tuple[bool, int], float] = {}
-
-    @staticmethod
-    def bucket(n_dec: int) -> int:
-        return max(n_dec, 1).bit_length()
-
-    def observe(self, speculative: bool, n_dec: int, tokens: int, seconds: float) -> None:
-        if n_dec <= 0 or seconds <= 0:
-            return
-        key, rate = (speculative, self.bucket(n_dec)), tokens / seconds
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + self.smoothing * (rate - old)
-
-    def get(self, speculative: bool, n_dec: int) -> float | None:
-        return self.rates.get((speculative, self.bucket(n_dec)))
 
 
 class DCutPolicy:
