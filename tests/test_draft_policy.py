@@ -128,6 +128,23 @@ def test_plain_and_verifying_steps_are_learned_apart():
     assert mostly_plain.step(8) < 0.12  # no slope invented from a few probes next to many plain steps
 
 
+def test_a_stale_plain_step_profile_cannot_keep_the_policy_drafting():
+    """Seen on this project's machine: a profile taken while the machine was busy said a plain step costs 68 ms where
+    it cost 47 ms, and verifying two tokens 55 ms. Drafting one token accepted 13% of the time then looked better than
+    a plain step, so the policy drafted every round (0.75x) and never took the plain step that would have shown
+    otherwise. A plain step is now never costed above a two-token verify, and the first plain round after a drafted
+    stretch replaces the stale profile."""
+    policy = DraftLengthPolicy(RoundCosts((0.0, 0.0), (0.0006, 0.008), plain_step=0.068), 7)
+    for i in range(100):  # drafted rounds of one token, 13% accepted
+        policy.start_round(7)
+        policy.keep_drafting(0.5, 1)
+        policy.observe(1, int(i % 8 == 0), 0.0085, 0.055)
+    assert policy.step(1) <= policy.step(2) == pytest.approx(0.055, rel=0.02)
+    assert policy.expected_rate(0) > max(policy.expected_rate(k) for k in range(1, 8))  # plain steps win
+    policy.observe(0, 0, None, 0.047)
+    assert policy.step(1) == pytest.approx(0.047, rel=0.02)
+
+
 def test_the_plain_step_cost_survives_the_cache_round_trip(tmp_path):
     from angelspec_hf.modeling.draft_policy import RoundCosts, save_round_costs
 

@@ -98,7 +98,10 @@ class StepCost:
     cost 1.45 plain steps on this project's machine, flat in n; 1.1 with oneDNN-prepacked weights). One line through both bends to fit them: with mostly plain rounds its slope comes from a few probes and
     overstates verification; with mostly drafted rounds it puts the plain step at a drafted round's cost. So each
     regime learns from its own rounds: an exponentially weighted mean for `n = 1` and a `LinearFit` for `n >= 2`,
-    both starting from the profile (its line, whose value at 1 is the measured plain forward)."""
+    both starting from the profile (its line, whose value at 1 is the measured plain forward). The profile's plain cost
+    fades with every round, either kind, so that the first plain round after a long drafted stretch replaces a stale
+    profile (one taken on a busy machine once kept a policy drafting at 0.75x: it never took the plain step that would
+    have corrected it); and a plain step is never costed above a verifying one of two tokens."""
 
     def __init__(self, a: float, b: float, prior_span: float, plain: float | None = None, prior_weight: float = 4.0,
                  decay: float = 0.99, prior_fade: float = 0.9):
@@ -110,9 +113,9 @@ class StepCost:
         self._data = torch.zeros(2, dtype=torch.float64)
 
     def add(self, n: float, y: float) -> None:
+        self._prior = self._prior * self.prior_fade
         if n <= 1:
             self._data = self._data * self.decay + torch.tensor([1.0, float(y)], dtype=torch.float64)
-            self._prior = self._prior * self.prior_fade
         else:
             self.line.add(n, y)
 
@@ -126,7 +129,7 @@ class StepCost:
         return self.line.coef
 
     def __call__(self, n: float) -> float:
-        return max(self.plain, 1e-6) if n <= 1 else self.line(n)
+        return max(min(self.plain, self.line(2)), 1e-6) if n <= 1 else self.line(n)
 
 
 @dataclass
