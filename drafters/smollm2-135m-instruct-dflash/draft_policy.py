@@ -231,6 +231,7 @@ class MeasuredRates:
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
         self.rates: dict[tuple[bool, int], float] = {}
+        self._unmeasured = 0
 
     @staticmethod
     def bucket(n_dec: int) -> int:
@@ -245,6 +246,19 @@ class MeasuredRates:
 
     def get(self, speculative: bool, n_dec: int) -> float | None:
         return self.rates.get((speculative, self.bucket(n_dec)))
+
+    def loses(self, n_dec: int) -> bool:
+        """Have speculative steps at this batch size delivered fewer tokens per second than plain ones?"""
+        speculative, plain = self.get(True, n_dec), self.get(False, n_dec)
+        return speculative is not None and plain is not None and speculative < plain
+
+    def plain_due(self, n_dec: int, every: int) -> bool:
+        """While speculative steps at this batch size have been measured and plain ones not: True once in `every`
+        calls, for a plain step that measures them."""
+        if self.get(True, n_dec) is None or self.get(False, n_dec) is not None:
+            return False
+        self._unmeasured = (self._unmeasured + 1) % every
+        return self._unmeasured == 0
 
 
 class PositionCalibrator:
@@ -306,7 +320,6 @@ class DraftLengthPolicy:
         self.backoff, self.plain_left, self.probe_due = probe_every, 0, False
         # what drafted and plain rounds have actually delivered, wall time included (None: `measure=False`)
         self.measured = MeasuredRates() if measure else None
-        self._unmeasured = 0
         self._round: list[float] = []
         self._survival = self._expected = 1.0
 
@@ -334,10 +347,8 @@ class DraftLengthPolicy:
         if self.probe_due:  # a probe keeps the acceptance estimates current while drafting does not pay
             self.probe_due = False
             return True
-        if self.measured is not None and self.measured.get(True, 1) is not None and self.measured.get(False, 1) is None:
-            self._unmeasured = (self._unmeasured + 1) % self.probe_every
-            if self._unmeasured == 0:
-                return False
+        if self.measured is not None and self.measured.plain_due(1, self.probe_every):
+            return False
         if max(self.expected_rate(k) for k in range(1, max_tokens + 1)) > self.expected_rate(0) \
                 and not self.measured_loss():
             self.backoff = self.probe_every
@@ -348,10 +359,7 @@ class DraftLengthPolicy:
 
     def measured_loss(self) -> bool:
         """Have drafted rounds delivered fewer tokens per second than plain ones, as measured?"""
-        if self.measured is None:
-            return False
-        drafted, plain = self.measured.get(True, 1), self.measured.get(False, 1)
-        return drafted is not None and plain is not None and drafted < plain
+        return self.measured is not None and self.measured.loses(1)
 
     def best_rate(self, max_tokens: int) -> float:
         """Expected tokens per second of the best of a plain step and a drafted round of up to `max_tokens`."""

@@ -263,7 +263,7 @@ class DCutPolicy:
         self._backoff = probe_every
         self.max_backoff = 8 * probe_every
         self.measured = MeasuredRates() if measure else None
-        self._unmeasured, self._probe = 0, False
+        self._probe = False
 
     @property
     def cost_model(self) -> CostModel:
@@ -287,10 +287,9 @@ class DCutPolicy:
             self._probe = False
             return True
         if self.measured is not None:
-            if self.measured.get(True, n_dec) is not None and self.measured.get(False, n_dec) is None:
-                self._unmeasured = (self._unmeasured + 1) % self.probe_every  # measure plain: 1 step in probe_every
-                return self._unmeasured != 0
-            if self._measured_loss(n_dec):
+            if self.measured.plain_due(n_dec, self.probe_every):  # measure plain: 1 step in probe_every
+                return False
+            if self.measured.loses(n_dec):
                 self._back_off()
                 self.plain_steps_left -= 1
                 return False
@@ -410,16 +409,12 @@ class DCutPolicy:
         plain_rate = n_dec / self.cost_model.verify(rows, base_tokens)
         if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing
             self._back_off()
-        elif self.measured is None or not self._measured_loss(n_dec):
+        elif self.measured is None or not self.measured.loses(n_dec):
             self._backoff = self.probe_every
 
     def _back_off(self) -> None:
         self.plain_steps_left = self._backoff
         self._backoff = min(2 * self._backoff, self.max_backoff)
-
-    def _measured_loss(self, n_dec: int) -> bool:
-        speculative, plain = self.measured.get(True, n_dec), self.measured.get(False, n_dec)
-        return speculative is not None and plain is not None and speculative < plain
 
     # ---- after verification ------------------------------------------------------------------------------------------
     def observe(self, conf, depth, num_accepted, drafted_rows, lookup) -> None:
