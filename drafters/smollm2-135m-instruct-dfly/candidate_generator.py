@@ -102,6 +102,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         # at j + 1, and whether a round drafts at all from earlier rounds only.
         auto = getattr(drafter.config, "draft_length", "auto") == "auto"
         self.policy = drafter.draft_policy(target) if auto else None
+        if self.policy is not None:
+            self.policy.new_sequence()
         self.stop_threshold = 0.0 if auto else float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
         self._survival = 1.0
         self._max_tokens, self._round_probs = 0, []

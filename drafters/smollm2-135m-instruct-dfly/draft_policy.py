@@ -19,7 +19,8 @@ help, and better drafters turn directly into longer rounds.
   included. When drafted rounds have delivered less, the policy backs off to plain steps whatever the model expects,
   so a wrong cost or acceptance estimate cannot make `generate` slower for long.
 
-The state lives on the drafter (`drafter.draft_policy`), so what one `generate` call learned serves the next.
+The state lives on the drafter (`drafter.draft_policy`), so what one `generate` call learned serves the next; what
+depends on the text (the back-off and the measured rate of drafted rounds) starts afresh with each call.
 """
 
 from __future__ import annotations
@@ -247,6 +248,10 @@ class MeasuredRates:
     def get(self, speculative: bool, n_dec: int) -> float | None:
         return self.rates.get((speculative, self.bucket(n_dec)))
 
+    def forget(self, speculative: bool) -> None:
+        """Drop the rates of speculative (or plain) steps, at every batch size."""
+        self.rates = {key: rate for key, rate in self.rates.items() if key[0] != speculative}
+
     def loses(self, n_dec: int) -> bool:
         """Have speculative steps at this batch size delivered fewer tokens per second than plain ones?"""
         speculative, plain = self.get(True, n_dec), self.get(False, n_dec)
@@ -322,6 +327,16 @@ class DraftLengthPolicy:
         self.measured = MeasuredRates() if measure else None
         self._round: list[float] = []
         self._survival = self._expected = 1.0
+
+    def new_sequence(self) -> None:
+        """A new `generate()` call. What drafting earns depends on the text (a code prompt after a chat one), so the
+        back-off and the measured rate of drafted rounds start afresh; the costs, the acceptance calibration and the
+        rate of plain rounds (properties of the machine and the drafter) carry over. Carried over, a back-off earned
+        on chat kept the next call's code prompt at plain steps for up to `max_backoff` rounds: its few probes could
+        not lift the drafted rate that chat had measured above the plain one before the wait doubled again."""
+        self.plain_left, self.probe_due, self.backoff = 0, False, self.probe_every
+        if self.measured is not None:
+            self.measured.forget(speculative=True)
 
     # ---- the decisions -----------------------------------------------------------------------------------------
     def expected_rate(self, k: int) -> float:
