@@ -87,7 +87,10 @@ def method_kwargs(method: str, drafters: dict) -> dict:
     if method == "prompt_lookup":
         return {"prompt_lookup_num_tokens": 10}
     drafter = drafters[drafter_of(method)]
-    if method not in ("router", "dflash_builtin") and hasattr(drafter, "config"):
+    if method == "router":  # each routed drafter cost-aware and with lookups, whatever method ran before it
+        for routed in drafter.drafters.values():
+            routed.config.draft_length, routed.config.lookup_tokens = "auto", LOOKUP_TOKENS
+    elif method != "dflash_builtin" and hasattr(drafter, "config"):
         drafter.config.draft_length = "full" if method.endswith("_full") else "auto"
         drafter.config.lookup_tokens = LOOKUP_TOKENS if method.endswith(LOOKUP) else 0
     kwargs = {"assistant_model": drafter}

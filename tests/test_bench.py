@@ -84,3 +84,22 @@ def test_percentile_is_nearest_rank():
     assert percentile(values, 99) == 99 and percentile(values, 50) == 50 and percentile(values, 100) == 100
     assert percentile([3.0, 1.0], 99) == 3.0 and percentile([3.0, 1.0], 50) == 1.0 and percentile([7], 1) == 7
     assert percentile([], 99) is None
+
+
+def test_each_method_sets_its_drafters_whatever_ran_before():
+    """Methods share drafter objects: each sets what it measures. The router's drafters once kept the settings of
+    the last method run on them (lookups on or off by the order of --methods)."""
+    from angelspec_hf.bench import LOOKUP_TOKENS, method_kwargs
+    from angelspec_hf.router import DrafterRouter
+    from helpers import tiny_drafter
+
+    target, tokenizer = tiny_chat_target()
+    drafters = {"mtp": tiny_drafter("mtp", target), "dfly": tiny_drafter("dfly", target)}
+    drafters["router"] = DrafterRouter({"mtp": drafters["mtp"], "dfly": drafters["dfly"]}, tokenizer)
+    for before in ("mtp", "dfly_full", "dfly+lookup"):
+        method_kwargs(before, drafters)
+        assert method_kwargs("router", drafters)["assistant_model"] is drafters["router"]
+        assert all(d.config.lookup_tokens == LOOKUP_TOKENS and d.config.draft_length == "auto"
+                   for d in (drafters["mtp"], drafters["dfly"]))
+    method_kwargs("dfly_full", drafters)
+    assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == 0
