@@ -9,13 +9,19 @@
 # Rerunning the script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/
 # (DFlash over the whole vocabulary again: it is the baseline that must stay exportable to z-lab's layout and
 # transformers' DFlash path).
-# Usage: [FAMILIES="dfly dflash"] [SEED=0] scripts/train_release.sh [STEPS] [OUT]
+# Round 4 continued DFly once more (`FAMILIES=dfly SEED=4 SHIP=0 scripts/train_release.sh 1000 outputs/release4`, not
+# shipped: +3% τ on held-out prompts). Round 5 compared, from round 4's weights, the same 2 layers against 4
+# (`INIT=outputs/release4/dfly [LAYERS=4] FAMILIES=dfly SEED=5 SHIP=0 scripts/train_release.sh 600 <out>`; LAYERS
+# grows the drafter with new layers that start as identities, see `DFlashDrafter.grow_layers`).
+# Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [SHIP=1] scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-1000}
 OUT=${2:-outputs/release2}
 FAMILIES=${FAMILIES:-dfly dflash}
 SEED=${SEED:-0}
+SHIP=${SHIP:-1}
+DEPTH=(); [ -n "${LAYERS:-}" ] && DEPTH=(--num_drafter_layers "$LAYERS")
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 5e-4 --warmup_steps 20 --lr_scheduler_type cosine
         --max_seq_length 384 --num_anchors 64 --resample_anchors true --loss_kind ce+kl
@@ -27,10 +33,11 @@ train() { OMP_NUM_THREADS=1 .venv/bin/python -c "import sys, torch; torch.set_nu
 from angelspec_hf.trainer.run import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 for family in $FAMILIES; do
   cp -n "drafters/smollm2-135m-instruct-$family/README.md" "$OUT/$family-previous-card.md" 2>/dev/null || true
-  train --drafter_type $family --init_drafter "drafters/smollm2-135m-instruct-$family" --output_dir "$OUT/$family" \
-    "${COMMON[@]}" >> "$OUT/$family.log" 2>&1 &
+  train --drafter_type $family --init_drafter "${INIT:-drafters/smollm2-135m-instruct-$family}" \
+    --output_dir "$OUT/$family" "${DEPTH[@]}" "${COMMON[@]}" >> "$OUT/$family.log" 2>&1 &
 done
 wait
+[ "$SHIP" = 1 ] || exit 0
 for family in $FAMILIES; do
   extra=(); [ "$family" = dflash ] && extra=(--full-vocab)
   .venv/bin/python -m angelspec_hf.ship "$OUT/$family" "drafters/smollm2-135m-instruct-$family" "${extra[@]}"

@@ -128,6 +128,30 @@ def test_dfly_layer_fusion_gives_each_layer_its_own_context(target):
     torch.testing.assert_close(shared[0], plain.hidden_norm(plain.fc(features)))
 
 
+@pytest.mark.parametrize("family", ["dflash", "dfly"])
+def test_grown_drafter_drafts_what_it_did_until_trained(tmp_path, target, family):
+    """`grow_layers` (warm-starting a deeper drafter): same drafts and scores, cached drafting included; the new
+    layers are real layers (moving them changes the drafts), and the deeper drafter saves and loads as such."""
+    drafter = tiny_drafter(family, target)
+    grown = tiny_drafter(family, target)
+    grown.grow_layers(4)
+    assert len(grown.layers) == grown.config.num_hidden_layers == 4 and len(grown.config.layer_types) == 4
+    features, ids = features_for(drafter, 13, seed=2)
+    for end in (6, 13):  # context in two pieces: the new layers' caches line up too
+        a = propose(drafter, target, drafter.new_draft_state(), features[:, :end], ids[:, : end + 1])
+        b = propose(grown, target, grown.new_draft_state(), features[:, :end], ids[:, : end + 1])
+        assert torch.equal(a[0], b[0])
+        torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+    grown.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.num_hidden_layers == 4 and same_drafts(grown, loaded, target)
+    with torch.no_grad():
+        grown.layers[3].mlp.down_proj.weight.normal_(std=0.5)
+    assert not same_drafts(drafter, grown, target)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        grown.grow_layers(2)
+
+
 # ---- saving and loading --------------------------------------------------------------------------------------------
 def test_save_load_round_trip(tmp_path, target, family):
     drafter = tiny_drafter(family, target)

@@ -141,6 +141,11 @@ def test_config_overrides_shape_a_fresh_drafter(tiny, tmp_path):
     with pytest.raises(ValueError, match="init_drafter"):
         train_main(cli_args(tiny, tmp_path / "again", "--max_steps", "1", "--init_drafter", str(tmp_path / "run"),
                             "--config_overrides", "use_ar_head=false"))
+    # a trained drafter warm-starts a deeper one: the new layers are trained and saved
+    train_main(cli_args(tiny, tmp_path / "deeper", "--max_steps", "2", "--init_drafter", str(tmp_path / "run"),
+                        "--num_drafter_layers", "3"))
+    deeper = angelspec_hf.load_drafter(str(tmp_path / "deeper"))
+    assert deeper.config.num_hidden_layers == 3 and deeper.layers[2].self_attn.o_proj.weight.any()
 
 
 ACCELERATE_CPU_CONFIG = """compute_environment: LOCAL_MACHINE

@@ -46,7 +46,9 @@ class DrafterTrainingArguments(TrainingArguments):
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Target layers the drafter reads (0-based); default: the family's choice."}
     )
-    num_drafter_layers: int | None = field(default=None, metadata={"help": "Drafter depth; default: the family's."})
+    num_drafter_layers: int | None = field(default=None, metadata={"help": "Drafter depth; default: the family's. With "
+                                                                        "init_drafter (DFlash, DFly): grow that drafter to this many layers, the new ones "
+                                                                        "starting as identities."})
     feature_mode: str = field(
         default="online", metadata={"help": "'online': target features computed per batch (no disk); 'cached': "
                                             "computed once, stored as fp16 Arrow and memory-mapped."}

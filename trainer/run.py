@@ -73,6 +73,10 @@ def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target)
         if margs.config_overrides:
             raise ValueError("config_overrides shape a fresh drafter; it cannot be combined with init_drafter")
         drafter = angelspec_hf.load_drafter(margs.init_drafter)
+        if args.num_drafter_layers is not None and args.num_drafter_layers != drafter.config.num_hidden_layers:
+            if not hasattr(drafter, "grow_layers"):
+                raise ValueError(f"num_drafter_layers: a {type(drafter).__name__} cannot be deepened after training")
+            drafter.grow_layers(args.num_drafter_layers)  # warm start: the deeper drafter computes what it did
     else:
         overrides = parse_config_overrides(margs.config_overrides, DRAFTERS[args.drafter_type][0])
         if args.target_layer_ids is not None:

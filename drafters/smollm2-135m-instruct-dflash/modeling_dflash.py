@@ -88,6 +88,31 @@ class DFlashDrafter(DrafterPreTrainedModel):
     def _build_extra_modules(self, config: DFlashConfig) -> None:
         """Hook for subclasses to add modules before weights are initialised."""
 
+    @torch.no_grad()
+    def grow_layers(self, num_layers: int) -> None:
+        """Deepen the drafter to `num_layers` without changing what it computes: new layers are appended after the
+        last, initialised as usual except their output projections (attention `o_proj`, MLP `down_proj`), which start
+        at zero, so each new layer adds nothing to the residual stream until training moves it. A trained drafter
+        can so be warm-started into a larger one (`angelspec train --init_drafter <folder> --num_drafter_layers N`)."""
+        current = len(self.layers)
+        if num_layers < current:
+            raise ValueError(f"cannot shrink a drafter: it has {current} layers, {num_layers} asked")
+        if num_layers == current:
+            return
+        self.config.num_hidden_layers = num_layers
+        self.config.layer_types = list(self.config.layer_types) + ["full_attention"] * (num_layers - current)
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        for index in range(current, num_layers):
+            layer = DFlashDecoderLayer(self.config, index)
+            layer.apply(self._init_weights)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            self.layers.append(layer.to(device=device, dtype=dtype))
+        self._grow_extra_modules(current, num_layers)
+
+    def _grow_extra_modules(self, old_layers: int, num_layers: int) -> None:
+        """Hook for subclasses with per-layer parameters outside `layers` (see `grow_layers`)."""
+
     @property
     def num_draft_tokens(self) -> int:
         return self.config.block_size - 1
