@@ -260,7 +260,7 @@ def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
 
 def bench_main(args) -> int:
     import angelspec_hf
-    from angelspec_hf.shipped import shipped_or_untrained
+    from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained
 
     torch.set_num_threads(args.threads)
     methods = sorted(args.methods.split(","), key=method_order)  # "ar" first: the reference of the others
@@ -276,10 +276,10 @@ def bench_main(args) -> int:
     needed = {drafter_of(m) for m in methods if drafter_of(m) in DRAFTER_OF.values()}
     needed |= {"mtp", "dfly"} if "router" in methods else set()
     for label in sorted({drafter_of(m) for m in methods} & set(given) - set(METHODS)):  # extra drafters, own methods
-        drafters[label] = angelspec_hf.load_drafter(given[label])
+        drafters[label] = drafter_for_target(given[label], target)
     for family in sorted(needed - {"router"}):
         if family in given:
-            drafters[family] = angelspec_hf.load_drafter(given[family])
+            drafters[family] = drafter_for_target(given[family], target)
         else:  # the shipped drafter for the embedded target, else a fresh untrained one (said in the output)
             torch.manual_seed(0)
             drafters[family], trained = shipped_or_untrained(family, target)

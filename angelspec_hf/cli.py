@@ -37,9 +37,9 @@ def cmd_generate(args) -> int:
     torch.manual_seed(args.seed)
     print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} ...", flush=True)
     target, tokenizer = angelspec_hf.load_target(args.target)
-    if args.drafter in DRAFTERS:
-        from angelspec_hf.shipped import shipped_or_untrained
+    from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained
 
+    if args.drafter in DRAFTERS:
         why = []
         drafter, trained = shipped_or_untrained(args.drafter, target, why=why)
         if trained:
@@ -51,7 +51,7 @@ def cmd_generate(args) -> int:
                 "is what this run checks."
             )
     else:
-        drafter = angelspec_hf.load_drafter(args.drafter)
+        drafter = drafter_for_target(args.drafter, target)
     kernels = use_linear_kernels(args.linear_kernels, target, drafter)
     input_ids = chat_input_ids(tokenizer, args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -116,7 +116,7 @@ def cmd_serve(args) -> int:
 
     import angelspec_hf
     from angelspec_hf.modeling import DRAFTERS
-    from angelspec_hf.shipped import shipped_or_untrained
+    from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained
     from angelspec_hf.tgi_patch.engine import SpeculativeEngine
     from angelspec_hf.tgi_patch.server import create_app, serve
 
@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
             print(f"NOTE: this {args.drafter} drafter is UNTRAINED (random weights): {why[0]}. Outputs are still the "
                   "target's own, but expect a slow-down (the cost model falls back to plain steps).")
     else:
-        drafter = angelspec_hf.load_drafter(args.drafter)
+        drafter = drafter_for_target(args.drafter, target)
     print(f"linear kernels: {use_linear_kernels(args.linear_kernels, target, drafter)}")
     if args.verify == "auto":
         print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)

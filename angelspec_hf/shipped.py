@@ -113,6 +113,15 @@ def untrained_drafter(family: str, target, seed: int = 0, **overrides):
         return DRAFTERS[family][1].from_target(target, **overrides).eval()
 
 
+def drafter_for_target(name_or_path: str, target):
+    """A drafter named by folder or Hub id, ready to run beside `target`: in the target's dtype (as the shipped ones
+    are), so a drafter stored in fp16 runs, like its target, in fp32 on a CPU - where fp16 matmuls are slow and only
+    fp32 linears are prepacked (`--linear-kernels prepacked`)."""
+    import angelspec_hf
+
+    return angelspec_hf.load_drafter(name_or_path).to(target.dtype).eval()
+
+
 def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
     """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype (from `folder` when it holds one,
     e.g. a Space's own copy; else by Hub id, see `find_shipped`), or a fresh untrained one (`untrained_drafter`) when

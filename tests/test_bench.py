@@ -42,6 +42,27 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert "| mine | 0 | dfly | 2 |" in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_a_drafter_named_by_folder_runs_like_a_shipped_one(tmp_path):
+    """`--drafters label=<folder>` with a drafter stored in fp16 (as shipped ones are): it runs in the target's fp32,
+    its linears prepacked like the target's, not as slow fp16 CPU matmuls."""
+    from helpers import tiny_drafter
+
+    target, tokenizer = tiny_chat_target()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_drafter("dfly", target).half().save_pretrained(tmp_path / "mine")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 2?"}) + "\n")
+    assert main(["bench", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--prompts-per-set", "1",
+                 "--max-new-tokens", "6", "--temperatures", "0", "--threads", "1", "--methods", "ar,mine", "--drafters",
+                 f"mine={tmp_path / 'mine'}", "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    linears = sum(isinstance(m, torch.nn.Linear) for model in (target, tiny_drafter("dfly", target))
+                  for m in model.modules())
+    assert f"oneDNN prepacked ({linears} linears)" in result["meta"]["setting"]
+    assert {r["method"] for r in result["summary"]} == {"ar", "mine"} and all(r["identical"] for r in result["summary"])
+
+
 def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
     """The closed-loop batched benchmark: plain, fixed depths and D-Cut per concurrency, with greedy identity against
     plain decoding, a markdown table, JSON and a plot."""
