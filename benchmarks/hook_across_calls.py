@@ -25,7 +25,7 @@ import torch
 import angelspec_hf
 from angelspec_hf.modeling.draft_policy import hardware_key
 from angelspec_hf.prompts import chat_input_ids
-from angelspec_hf.shipped import checkout_drafter_path
+from angelspec_hf.shipped import checkout_drafter_path, drafter_for_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from tune_stop_threshold import held_out_prompts  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     path = checkout_drafter_path(args.family)
     if path is None:
         raise SystemExit(f"no shipped {args.family} drafter in this checkout's drafters/")
-    drafter = angelspec_hf.load_drafter(path).to(target.dtype).eval()
+    drafter = drafter_for_target(str(path), target)
     angelspec_hf.prepack_linears(drafter)
     drafter.config.draft_length = "auto"
     if not args.lookups:

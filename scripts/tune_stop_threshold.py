@@ -17,7 +17,7 @@ import torch
 
 import angelspec_hf
 from angelspec_hf.prompts import chat_input_ids
-from angelspec_hf.shipped import checkout_drafter_path
+from angelspec_hf.shipped import checkout_drafter_path, drafter_for_target
 from angelspec_hf.trainer.data import load_train_prompts
 
 DOMAIN_SETS = {"dfly": ["gsm8k", "code_alpaca"], "dflash": ["gsm8k", "code_alpaca"], "mtp": ["sharegpt", "alpaca"]}
@@ -56,7 +56,7 @@ def main() -> None:
         if path is None:
             print(f"{family}: no shipped drafter in this checkout's drafters/")
             continue
-        drafter = angelspec_hf.load_drafter(str(path)).to(target.dtype).eval()
+        drafter = drafter_for_target(str(path), target)
         inputs = [chat_input_ids(tokenizer, p) for p in held_out_prompts(sets, args.prompts)]
         timed(target, inputs[0][:, :8], max_new_tokens=4, assistant_model=drafter)  # warm-up
         plain_s, spec_s, taus = 0.0, {t: 0.0 for t in THRESHOLDS}, {t: [] for t in THRESHOLDS}
