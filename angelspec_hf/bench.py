@@ -160,6 +160,22 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
     return records
 
 
+def speedup_interval(rs: list[dict], ar: list[dict], level: float = 0.95, draws: int = 4000,
+                     seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap over prompts of the total speed-up `tps(rs) / tps(ar)`: prompts are drawn with
+    replacement, each with the AR run of the same prompt (`rs[i]` pairs with `ar[i]`), so the interval is the spread
+    that comes from which prompts a set happens to hold - the yardstick for "within noise" when a cell reads 0.95x."""
+    import numpy as np
+
+    tokens = np.array([[r["new_tokens"], a["new_tokens"]] for r, a in zip(rs, ar)], dtype=float)
+    seconds = np.array([[r["seconds"], a["seconds"]] for r, a in zip(rs, ar)], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(tokens), size=(draws, len(tokens)))
+    t, s = tokens[idx].sum(1), seconds[idx].sum(1)  # [draws, 2]: method, AR
+    ratios = (t[:, 0] / s[:, 0]) / (t[:, 1] / s[:, 1])
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def summarise(records: list[dict]) -> list[dict]:
     """Per (set, temperature, method): τ, tokens/s and speed-up over AR from totals of the same prompts; with several
     sets, also "all" (every prompt: a mixed workload, where per-request routing should beat either drafter alone)."""
@@ -185,7 +201,7 @@ def summarise(records: list[dict]) -> list[dict]:
             "round_verify": verify / forwards / ar_step,
             "round_overhead": (sum(r["seconds"] for r in rs) - draft - verify) / forwards / ar_step,
             "tau": sum(r["new_tokens"] - 1 for r in rs) / max(sum(r["target_forwards"] - 1 for r in rs), 1),
-            "tokens_per_s": tps, "speedup": tps / ar_tps,
+            "tokens_per_s": tps, "speedup": tps / ar_tps, "speedup_ci95": speedup_interval(rs, ar),
             "median_speedup": statistics.median(
                 (r["new_tokens"] / r["seconds"]) / (a["new_tokens"] / a["seconds"]) for r, a in zip(rs, ar)),
             "identical": None if temperature else all(r["identical"] for r in rs),
@@ -204,19 +220,42 @@ def acceptance_by_position(records: list[dict]) -> dict[str, list[float]]:
     return curves
 
 
+def overview_table(rows: list[dict]) -> list[str]:
+    """One line per method, one column per (set, temperature): "speed-up (τ)", with the round's split at the lowest
+    temperature over every prompt - the compact form of the long table below it."""
+    sets = list(dict.fromkeys(r["set"] for r in rows if r["set"] != "all"))  # in the order they ran
+    temps = sorted({r["temperature"] for r in rows})
+    cells = {(r["method"], r["set"], r["temperature"]): r for r in rows}
+    pooled = "all" if len(sets) > 1 else sets[0]
+    lines = ["| method | " + " | ".join(f"{s} T={t:g}" for t in temps for s in sets)
+             + f" | round at T={temps[0]:g}: draft + forward + rest (AR steps) |",
+             "|---|" + "---|" * (len(sets) * len(temps) + 1)]
+    for method in sorted({r["method"] for r in rows}, key=method_order):
+        row = [f"{c['speedup']:.2f}x ({c['tau']:.2f})" if (c := cells.get((method, s, t))) else "" for t in temps
+               for s in sets]
+        split = cells.get((method, pooled, temps[0]))
+        row.append(f"{split['round_draft']:.2f} + {split['round_verify']:.2f} + {split['round_overhead']:.2f}"
+                   if split else "")
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    return lines
+
+
 def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
-    lines = [f"# angelspec bench\n\n{meta['setting']}\n",
-             "| set | T | method | prompts | τ | tok/s | speed-up (total) | speed-up (median) | greedy identical "
-             "| round: draft + forward + rest (AR steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# angelspec bench\n\n{meta['setting']}\n", "Speed-up over `ar` from totals (τ):\n",
+             *overview_table(rows), "", "Every cell:\n",
+             "| set | T | method | prompts | τ | tok/s | speed-up (total) | 95% interval over prompts | speed-up (median) "
+             "| greedy identical | round: draft + forward + rest (AR steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["set"], r["temperature"], method_order(r["method"]))):
         same = "—" if r["identical"] is None else ("yes" if r["identical"] else "**NO**")
         split = f"{r['round_draft']:.2f} + {r['round_verify']:.2f} + {r['round_overhead']:.2f}"
+        lo, hi = r["speedup_ci95"]
         lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} | {r['prompts']} | {r['tau']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['median_speedup']:.2f}x | {same} | {split} |")
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {lo:.2f}–{hi:.2f}x | {r['median_speedup']:.2f}x | "
+                     f"{same} | {split} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     paths = {"json": out / "results.json", "markdown": out / "results.md"}
     import matplotlib
@@ -231,8 +270,11 @@ def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
         fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(sets), 3.6))
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
-            values = [next((r["speedup"] for r in sub if r["set"] == s and r["method"] == m), 0) for s in sets]
-            ax.bar([x + i * width for x in range(len(sets))], values, width, label=m)
+            cells = [next((r for r in sub if r["set"] == s and r["method"] == m), None) for s in sets]
+            values = [c["speedup"] if c else 0 for c in cells]
+            errors = [[c["speedup"] - c["speedup_ci95"][0] if c else 0 for c in cells],
+                      [c["speedup_ci95"][1] - c["speedup"] if c else 0 for c in cells]]
+            ax.bar([x + i * width for x in range(len(sets))], values, width, yerr=errors, capsize=2, label=m)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sets))], sets)
         ax.set_ylabel("speed-up over AR")

@@ -39,7 +39,9 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert result["meta"]["untrained"] == ["dflash", "dfly", "mtp"]
     for name in ("results.md", "speedup_T0.png", "speedup_T1.png", "acceptance_by_position.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
-    assert "| mine | 0 | dfly | 2 |" in (tmp_path / "out" / "results.md").read_text()
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| mine | 0 | dfly | 2 |" in table
+    assert "| method | mine T=0 | mine T=1 | round at T=0" in table and "| ar | 1.00x (1.00) | 1.00x (1.00) | 0.00 + " in table
 
 
 def test_a_drafter_named_by_folder_runs_like_a_shipped_one(tmp_path):
@@ -124,3 +126,27 @@ def test_each_method_sets_its_drafters_whatever_ran_before():
                    for d in (drafters["mtp"], drafters["dfly"]))
     method_kwargs("dfly_full", drafters)
     assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == 0
+
+
+def test_speedup_interval_is_a_paired_bootstrap_over_prompts():
+    """The interval pairs each prompt with AR's run of it: a method exactly twice as fast on every prompt has no spread
+    whatever the prompts' lengths, and one that is faster on some prompts and slower on others brackets its total."""
+    from angelspec_hf.bench import speedup_interval, summarise
+
+    def rec(method, tokens, seconds, i):
+        return {"set": "s", "temperature": 0.0, "method": method, "new_tokens": tokens, "seconds": seconds,
+                "target_forwards": tokens, "draft_seconds": None, "forward_seconds": seconds, "identical": True,
+                "prompt": i}
+
+    ar = [rec("ar", 100, s, i) for i, s in enumerate([1.0, 5.0, 2.0, 9.0, 3.0, 4.0])]
+    twice = [rec("x", 100, a["seconds"] / 2, i) for i, a in enumerate(ar)]
+    lo, hi = speedup_interval(twice, ar)
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    # unpaired resampling would spread this one: the prompts' own speeds differ by 9x
+    mixed = [rec("y", 100, a["seconds"] * f, i) for i, (a, f) in enumerate(zip(ar, [0.5, 1.5, 0.8, 1.2, 0.6, 1.4]))]
+    lo, hi = speedup_interval(mixed, ar)
+    total = (600 / sum(r["seconds"] for r in mixed)) / (600 / sum(a["seconds"] for a in ar))
+    assert lo < total < hi and hi - lo > 0.1
+    assert speedup_interval(mixed, ar) == (lo, hi)  # seeded: the same run reports the same interval
+    row = next(r for r in summarise(ar + twice) if r["method"] == "x")
+    assert row["speedup_ci95"] == pytest.approx((2.0, 2.0)) and row["speedup"] == pytest.approx(2.0)
