@@ -37,6 +37,33 @@ def test_position_calibrator_learns_per_position_and_confidence():
     assert cal.mean(0) > 0.95 and cal.mean(1) < 0.05
 
 
+def test_expected_rates_in_one_pass_are_the_per_position_recursion():
+    """`expected_rates` (asked every round) in one pass equals the definition written out: the mean acceptance of
+    position j has the mean of j - 1 as its prior, positions past the table repeat the last, and a round of k tokens
+    is worth 1 + sum of survivals over draft(k) + step(1 + k)."""
+    torch.manual_seed(0)
+    policy = policy_with(k=4)
+    for _ in range(40):
+        n = int(torch.randint(1, 5, ()))
+        policy.calibrator.update(torch.rand(n).tolist(), int(torch.randint(0, n + 1, ())))
+    cal = policy.calibrator
+
+    def mean(j):
+        rate = cal.prior_mean
+        for i in range(min(j, cal.trials.shape[0] - 1) + 1):
+            rate = (float(cal.position_accepted[i]) + cal.prior_weight * rate) / (float(cal.position_trials[i]) + cal.prior_weight)
+        return rate
+
+    assert cal.means(6) == pytest.approx([mean(j) for j in range(6)], rel=1e-12)
+    for k in range(7):
+        survival = [1.0]
+        for j in range(k):
+            survival.append(survival[-1] * mean(j))
+        cost = (policy.draft(k) if k else 0.0) + policy.step(1 + k)
+        assert policy.expected_rates(6)[k] == pytest.approx(sum(survival) / cost, rel=1e-12)
+    assert policy.best_rate(6) == max(policy.expected_rates(6))
+
+
 def policy_with(step=(0.06, 0.003), draft=(0.0, 0.01), k=4):
     return DraftLengthPolicy(RoundCosts(step, draft), k)
 

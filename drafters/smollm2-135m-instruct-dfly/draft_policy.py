@@ -292,10 +292,18 @@ class PositionCalibrator:
     def mean(self, position: int) -> float:
         """Acceptance rate at `position` over every confidence seen. Its prior is the rate of the position before
         (`prior_mean` for the first), so a position never drafted yet is expected to do as well as the last one."""
-        rate = self.prior_mean
-        for j in range(min(position, self.trials.shape[0] - 1) + 1):
-            rate = float((self.position_accepted[j] + self.prior_weight * rate) / (self.position_trials[j] + self.prior_weight))
-        return rate
+        return self.means(position + 1)[-1]
+
+    def means(self, count: int) -> list[float]:
+        """`[mean(0), ..., mean(count - 1)]` in one pass over the positions (in Python floats: the hook asks every
+        round, and per-element tensor reads made that a millisecond)."""
+        trials, accepted = self.position_trials.tolist(), self.position_accepted.tolist()
+        rates, rate = [], self.prior_mean
+        for j in range(count):
+            if j < len(trials):  # past the last position, the last one's rate
+                rate = (accepted[j] + self.prior_weight * rate) / (trials[j] + self.prior_weight)
+            rates.append(rate)
+        return rates
 
     def update(self, confidences: list[float], num_accepted: int) -> None:
         """One verified round: the drafted positions' confidences and how many were accepted."""
@@ -341,11 +349,16 @@ class DraftLengthPolicy:
     # ---- the decisions -----------------------------------------------------------------------------------------
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second of a round drafting `k` tokens, from the mean acceptance per position."""
-        survival, tokens = 1.0, 1.0
-        for j in range(k):
-            survival *= self.calibrator.mean(j)
+        return self.expected_rates(k)[k]
+
+    def expected_rates(self, max_tokens: int) -> list[float]:
+        """`expected_rate(k)` for k = 0 .. `max_tokens` (0: a plain step), in one pass over the positions."""
+        rates, survival, tokens = [1.0 / self.step(1)], 1.0, 1.0
+        for k, mean in enumerate(self.calibrator.means(max_tokens), start=1):
+            survival *= mean
             tokens += survival
-        return tokens / ((self.draft(k) if k else 0.0) + self.step(1 + k))
+            rates.append(tokens / (self.draft(k) + self.step(1 + k)))
+        return rates
 
     def start_round(self, max_tokens: int) -> bool:
         """Draft this round? No when no block length is expected to beat a plain step, or when drafted rounds have
@@ -364,8 +377,8 @@ class DraftLengthPolicy:
             return True
         if self.measured is not None and self.measured.plain_due(1, self.probe_every):
             return False
-        if max(self.expected_rate(k) for k in range(1, max_tokens + 1)) > self.expected_rate(0) \
-                and not self.measured_loss():
+        rates = self.expected_rates(max_tokens)
+        if max(rates[1:]) > rates[0] and not self.measured_loss():
             self.backoff = self.probe_every
             return True
         self.plain_left, self.probe_due = self.backoff - 1, True
@@ -378,7 +391,7 @@ class DraftLengthPolicy:
 
     def best_rate(self, max_tokens: int) -> float:
         """Expected tokens per second of the best of a plain step and a drafted round of up to `max_tokens`."""
-        return max(self.expected_rate(k) for k in range(max_tokens + 1))
+        return max(self.expected_rates(max_tokens))
 
     def lookup_length(self, confidence: float, available: int, draft_tokens: int) -> int:
         """How many tokens of an n-gram lookup continuation (`available`, matched with `confidence` = matched length
