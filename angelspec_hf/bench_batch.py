@@ -63,7 +63,7 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
                     submit()
     seconds = time.perf_counter() - start
     delta = {k: engine.totals[k] - before[k] for k in ("steps", "decode_row_steps", "accepted", "verified", "pruned",
-                                                       "speculative_steps")}
+                                                       "speculative_steps", "lookup_steps")}
     rounds = delta["decode_row_steps"]
     return {
         "seconds": seconds, "tokens": tokens, "throughput": tokens / seconds,
@@ -73,6 +73,7 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
         "verified_per_step": delta["verified"] / max(delta["steps"], 1),
         "pruned_per_step": delta["pruned"] / max(delta["steps"], 1),
         "speculative_steps": delta["speculative_steps"] / max(delta["steps"], 1),
+        "lookup_steps": delta["lookup_steps"] / max(delta["steps"], 1),
         "outputs": outputs,
     }
 
@@ -124,8 +125,8 @@ def _summarise(concurrency: int, method: str, requests: int, runs: list[dict]) -
     """One record from a method's repeats: medians, the speed-up's spread, identical only if every repeat was."""
     record = {"concurrency": concurrency, "method": method, "requests": requests, "repeats": len(runs)}
     for key in ("seconds", "tokens", "throughput", "latency_p50", "latency_p99", "tau", "verified_per_step",
-                "pruned_per_step", "speculative_steps", "speedup"):
-        record[key] = statistics.median(r[key] for r in runs)
+                "pruned_per_step", "speculative_steps", "lookup_steps", "speedup"):
+        record[key] = statistics.median(r.get(key, 0.0) for r in runs)
     record["speedup_min"] = min(r["speedup"] for r in runs)
     record["speedup_max"] = max(r["speedup"] for r in runs)
     record["identical"] = all(r["identical"] for r in runs)
@@ -138,13 +139,14 @@ def write_concurrency_outputs(records, out_dir, setting: str) -> dict[str, Path]
     (out / "concurrency.json").write_text(json.dumps({"setting": setting, "records": records}, indent=1))
     lines = [f"# angelspec bench --concurrency\n\n{setting}\n",
              "| concurrency | method | requests | tok/s | speed-up vs plain (spread) | τ | verified draft tokens/step | "
-             "pruned/step | drafting steps | p50 latency (s) | p99 latency (s) | greedy identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pruned/step | drafting steps | lookup-only steps | p50 latency (s) | p99 latency (s) | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         spread = f" ({r['speedup_min']:.2f}–{r['speedup_max']:.2f})" if r.get("repeats", 1) > 1 else ""
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['throughput']:.1f} | "
                      f"{r['speedup']:.2f}x{spread} | {r['tau']:.2f} | {r['verified_per_step']:.1f} | {r['pruned_per_step']:.1f} | "
-                     f"{100 * r['speculative_steps']:.0f}% | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
+                     f"{100 * r['speculative_steps']:.0f}% | {100 * r.get('lookup_steps', 0.0):.0f}% | "
+                     f"{r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
                      f"{'yes' if r['identical'] else '**NO**'} |")
     methods = list(dict.fromkeys(r["method"] for r in records))
     concurrencies = sorted({r["concurrency"] for r in records})

@@ -524,6 +524,17 @@ class LookupWithDrafterQEngine(SpeculativeEngine):
         return new_tokens, new_probs, new_conf, use, limit
 
 
+def sample_repeated(engine, prompt, steps, draws, temperature=0.8):
+    """`draws` sampled requests of `prompt` (seeds 0..draws-1) through `engine`: their outputs, and the engine's stats."""
+    ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=steps, do_sample=True, seed=i,
+                                                     temperature=temperature, stop_token_ids=())) for i in range(draws)]
+    outputs = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            outputs[event.request_id] += event.token_ids
+    return [tuple(outputs[i]) for i in ids], engine.stats
+
+
 def test_lookup_proposals_keep_sampling_exact_with_power(spread):
     prompt, steps, draws = [3, 5, 4, 3, 5], 3, 4000
     target = spread
@@ -532,13 +543,7 @@ def test_lookup_proposals_keep_sampling_exact_with_power(spread):
 
     def sample(engine_cls):
         engine = engine_cls(target, drafter, verify="full", max_batch_size=64, cost_model=FIXED_COST, lookup_tokens=3)
-        ids = [engine.add_request(prompt, SamplingParams(max_new_tokens=steps, do_sample=True, seed=i, temperature=0.8,
-                                                         stop_token_ids=())) for i in range(draws)]
-        outputs = {i: [] for i in ids}
-        while engine.has_work():
-            for event in engine.step():
-                outputs[event.request_id] += event.token_ids
-        return [tuple(outputs[i]) for i in ids], engine.stats
+        return sample_repeated(engine, prompt, steps, draws)
 
     with single_thread():
         samples, stats = sample(SpeculativeEngine)
@@ -548,3 +553,120 @@ def test_lookup_proposals_keep_sampling_exact_with_power(spread):
     report(f"engine lookup: {draws} draws, {stats['lookup_rows']} lookup rows, accepted {stats['accepted']}/"
            f"{stats['verified']}", right, **wrong)
     assert_power(right, wrong)
+
+
+# ---- lookup-only steps: n-gram proposals verified without running the drafter ---------------------------------------
+CHEAP_VERIFY = CostModel((1.0, 0.05, 0.001), (0.0, 0.0))  # every lookup token is worth verifying
+
+
+def test_step_kind_runs_the_drafter_only_where_a_drafted_step_can_pay():
+    """Before drafting, "auto" plans a step with the acceptance each position has had: where even that plan loses to
+    a plain step (drafting costs too much), the drafter does not run; lookups (free to propose) or plain steps are
+    taken, and after a pause one probe drafts so that D-Cut's plan from real confidences can re-open it."""
+    from angelspec_hf.tgi_patch.engine.dcut import DCutPolicy, MeasuredRates
+
+    cheap_draft = CostModel((1.0, 0.05, 0.02), (0.0, 0.0))
+    costly_draft = CostModel((1.0, 0.05, 0.02), (5.0, 0.0))
+    assert DCutPolicy("auto", None, cost_model=cheap_draft, measure=False).step_kind(4, 4, 4, width=7) == "draft"
+    with_lookup = DCutPolicy("auto", None, cost_model=costly_draft, lookup_tokens=4, probe_every=4, measure=False)
+    assert [with_lookup.step_kind(4, 4, 4, width=7) for _ in range(6)] == ["lookup"] * 5 + ["draft"]
+    without = DCutPolicy("auto", None, cost_model=costly_draft, probe_every=4, measure=False)
+    assert [without.step_kind(4, 4, 4, width=7) for _ in range(6)] == ["plain"] * 5 + ["draft"]
+    assert without.step_kind(4, 4, 4, width=0) == "plain"  # no drafter, no lookups
+    # D-Cut's own plans at a batch size (from drafted confidences) decide there once they exist
+    planned = DCutPolicy("auto", None, cost_model=costly_draft, measure=False)
+    planned.planned[MeasuredRates.bucket(4)] = 1.4
+    assert planned.step_kind(4, 4, 4, width=7) == "draft"
+    planned = DCutPolicy("auto", None, cost_model=cheap_draft, lookup_tokens=4, measure=False)
+    planned.planned[MeasuredRates.bucket(4)] = 0.7
+    assert planned.step_kind(4, 4, 4, width=7) == "lookup"
+    for mode, value in (("full", None), ("depth", 2), ("budget", 8)):  # fixed modes draft whenever they can
+        assert DCutPolicy(mode, value, cost_model=costly_draft).step_kind(4, 4, 4, width=7) == "draft"
+
+
+def test_lookup_steps_keep_greedy_output(targets):
+    """Lookup-only steps, without a drafter and with one whose drafting never pays: the output is plain greedy
+    decoding's, lookups were verified, and the costly drafter ran in a few probes at most."""
+    target, twin = targets
+    costly = CostModel((1.0, 0.05, 0.001), (50.0, 0.0))
+    for drafter, cost in ((None, CHEAP_VERIFY), (tiny_drafter("dfly", target), costly)):
+        engine = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=4, cost_model=cost, lookup_tokens=4,
+                                   measure_rates=False)
+        outputs = generate_batch_with(engine, REPEATING, 24)
+        assert outputs == [plain_greedy(twin, p, 24) for p in REPEATING]
+        stats = engine.stats
+        assert stats["lookup_steps"] > 0 and stats["accepted"] > 0, stats
+        assert stats["speculative_steps"] <= 0.15 * stats["steps"], stats
+
+
+def test_lookup_steps_keep_sampling_exact_with_power(spread, monkeypatch):
+    prompt, steps, draws = [3, 5, 4, 3, 5], 3, 4000
+    target = spread
+    exact = exact_distribution(target, steps, prompt=torch.tensor([prompt]), temperature=0.8)
+
+    def sample(engine_cls):
+        engine = engine_cls(target, None, verify="auto", max_batch_size=64, cost_model=CHEAP_VERIFY, lookup_tokens=3,
+                            measure_rates=False)
+        return sample_repeated(engine, prompt, steps, draws)
+
+    with single_thread():
+        samples, stats = sample(SpeculativeEngine)
+        assert stats["lookup_steps"] > 0 and stats["lookup_rows"] > 0.2 * draws and stats["accepted"] > 0, stats
+        right = _fit(samples, exact)
+        with monkeypatch.context() as patch:  # a rejected lookup token drawn again: p, not p without it
+            patch.setattr(reference, "verify", correction_from_p(reference.verify))
+            wrong = {"correction from p": _fit(sample(SpeculativeEngine)[0], exact)}
+    report(f"engine lookup steps: {draws} draws, {stats['lookup_rows']} lookup rows, accepted {stats['accepted']}/"
+           f"{stats['verified']}", right, **wrong)
+    assert_power(right, wrong)
+
+
+def test_packed_attention_groups_sequences_by_new_token_count():
+    """A prompt prefilled beside decoding rows pads only its own group: rows are grouped by new-token count rounded
+    up to a power of two, every packed token lands in exactly one group, in its own row and column."""
+    from angelspec_hf.tgi_patch.engine.paged import PagedKVPool, RaggedStep
+
+    pool = PagedKVPool(1, 1, 4, torch.float32, torch.device("cpu"), 8)
+    slots = torch.arange(6)
+    pool.lengths[slots] = torch.tensor([5, 9, 0, 3, 7, 0])
+    new = torch.tensor([1, 1, 9, 3, 1, 40])
+    step = RaggedStep.build(pool, slots, new, packed=True)
+    groups = step.groups(torch.float32)
+    assert sorted((g.num_rows, g.n_max) for g in groups) == [(1, 3), (1, 9), (1, 40), (3, 1)]
+    tokens = torch.cat([g.tokens for g in groups]).sort().values
+    assert tokens.tolist() == list(range(int(new.sum())))
+    for g in groups:
+        assert g.n_max <= 2 * max(1, int(new[step.token_row[g.tokens]].min()))
+        assert (step.token_col[g.tokens] == g.col).all()
+        assert g.mask.shape == (g.num_rows, 1, g.n_max, g.gather_index.shape[1])
+
+
+def test_greedy_verification_on_packed_logits_equals_the_padded_path():
+    """`verify_greedy` reads only the verified and emitted rows of the packed logits; it must give what
+    `verify_drafts` gives on the `[B, span, V]` copy: accepted counts, next tokens, emitted tokens and their
+    log-probabilities (where they are emitted)."""
+    from angelspec_hf.tgi_patch.engine import verification
+    from angelspec_hf.tgi_patch.engine.model_runner import ModelRunner
+    from angelspec_hf.tgi_patch.engine.request import Request
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, depth = 50, torch.tensor([0, 3, 1, 0, 5, 2])
+    new = 1 + depth
+    new[0] = 7  # a prefilling row: seven prompt tokens, nothing verified
+    logits = torch.randn(int(new.sum()), vocab, generator=gen)
+    positions = ModelRunner._positions(new, depth)
+    scored = logits[positions]
+    draft = torch.randint(0, vocab, (6, 6), generator=gen)
+    agree = torch.tensor([0, 2, 1, 0, 5, 1])  # each row's drafts match the target's argmax this far
+    for row, n in enumerate(agree.tolist()):
+        draft[row, :n] = scored[row, :n].argmax(-1)
+        if n < positions.shape[1]:
+            draft[row, n] = (scored[row, n].argmax() + 1) % vocab  # and not at the next
+    requests = [Request(i, [1, 2], SamplingParams(max_new_tokens=9), 0, frozenset()) for i in range(6)]
+    padded = verification.verify_drafts(scored, draft, None, depth, requests)
+    packed = verification.verify_greedy(logits, positions, draft, depth)
+    assert packed.num_accepted.tolist() == padded.num_accepted.tolist() == torch.minimum(agree, depth).tolist()
+    assert packed.next_token.tolist() == padded.next_token.tolist()
+    for row, n in enumerate(packed.num_accepted.tolist()):
+        assert packed.emitted[row, : n + 1].tolist() == padded.emitted[row, : n + 1].tolist()
+        torch.testing.assert_close(packed.logprobs[row, : n + 1], padded.logprobs[row, : n + 1])

@@ -1,7 +1,8 @@
 """A continuous-batching speculative engine with D-Cut adaptive verification.
 
 Each `step()`: requests waiting for a slot join (their prompts are prefilled in the same target forward as everyone
-else's verification); the drafter proposes a block per running request with a confidence per token; D-Cut chooses which
+else's verification); D-Cut decides what kind of step this is (the drafter runs, or only n-gram lookups are proposed,
+or nothing); the drafter proposes a block per running request with a confidence per token; D-Cut chooses which
 draft tokens to verify (a prefix per request, the globally most likely to be accepted, under a budget); the target
 verifies all of them, for all requests, in **one** packed forward; every request advances by its own accepted count.
 
@@ -46,7 +47,11 @@ class Proposal:
     conf: torch.Tensor | None  # [B, K] D-Cut's confidence (None: nothing drafted)
     lookup: torch.Tensor | None  # [B] bool: the row carries an n-gram lookup instead of the drafter's block
     num_drafted: torch.Tensor  # [B] valid draft tokens per row
-    drafted: bool  # the drafter ran ("speculative" step), else a plain step
+    kind: str  # "draft" (the drafter ran), "lookup" (n-gram lookups only) or "plain" (nothing proposed)
+
+    @property
+    def drafted(self) -> bool:
+        return self.kind == "draft"
 
 
 class SpeculativeEngine:
@@ -87,7 +92,7 @@ class SpeculativeEngine:
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, release=self._release)
         self.last_step: StepTrace | None = None
         self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
-                       "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "requests_finished": 0,
+                       "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "lookup_steps": 0, "requests_finished": 0,
                        "seconds": 0.0}
         if self.policy.mode == "auto":
             _ = self.cost_model  # profiled (or read from the cache) now, before any request: it uses idle slots
@@ -167,11 +172,11 @@ class SpeculativeEngine:
         proposal = self._propose(batch)
         accept = self._acceptance(proposal.conf, proposal.lookup)
         depth = self._select(accept, proposal.num_drafted, len(batch), batch.base_tokens, batch.num_decode, trace,
-                             batch.sampled)
+                             batch.sampled, proposal.drafted)
         # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
         forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
         # 4. verify every request in one call
-        verified = verification.verify_drafts(forward.scored, proposal.tokens, proposal.probs, depth, batch.requests,
+        verified = verification.verify_forward(forward, proposal.tokens, proposal.probs, depth, batch.requests,
                                               self._process)
         # 5. advance every request by its own count; 6. bookkeeping
         emitted = self._advance(batch, proposal, depth, forward, verified)
@@ -179,14 +184,18 @@ class SpeculativeEngine:
         return events + emitted
 
     def _propose(self, batch: ScheduledBatch) -> Proposal:
-        """Draft tokens for every decoding request: the drafter's block, or an n-gram lookup where that is expected
-        to do better. A plain step (no drafter, nobody decoding, or D-Cut backing off) drafts nothing."""
+        """Draft tokens for every decoding request, by the step's kind (`DCutPolicy.step_kind`): the drafter's block,
+        or an n-gram lookup where that is expected to do better ("draft"); n-gram lookups alone, without running
+        the drafter ("lookup"); nothing ("plain": nobody decoding, or D-Cut backing off)."""
         n_pre = batch.num_prefill
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
         probs = conf = lookup = row_limit = None
-        drafted = self.batch_drafter is not None and batch.num_decode > 0 and self.policy.should_draft(batch.num_decode)
-        if drafted:
-            tokens, probs, conf, lookup, row_limit = self._draft(batch)
+        kind = "plain"
+        if batch.num_decode > 0:
+            width = self.policy.draft_width(self.batch_drafter.num_draft_tokens) if self.batch_drafter else 0
+            kind = self.policy.step_kind(batch.num_decode, len(batch), batch.base_tokens, width)
+        if kind != "plain":
+            tokens, probs, conf, lookup, row_limit = self._draft(batch) if kind == "draft" else self._lookup_only(batch)
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
             probs = _pad_rows(probs, n_pre) if probs is not None else None
         num_drafted = (batch.remaining - 1).clamp(min=0, max=tokens.shape[1])
@@ -194,7 +203,7 @@ class SpeculativeEngine:
         if row_limit is not None:
             num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
             lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
-        return Proposal(tokens, probs, conf, lookup, num_drafted, drafted)
+        return Proposal(tokens, probs, conf, lookup, num_drafted, kind)
 
     def _draft(self, batch: ScheduledBatch):
         """The decoding rows' proposals: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`,
@@ -210,12 +219,24 @@ class SpeculativeEngine:
             return tokens, probs, conf, None, None
         return self._lookup(requests, remaining, batch.sampled[dec], tokens, probs, conf)
 
+    def _lookup_only(self, batch: ScheduledBatch):
+        """`_draft`'s outputs for a lookup step: each decoding row's n-gram lookup, where it has one, and nothing
+        else (a deterministic proposal: its q is one-hot, which sampled rows are verified against)."""
+        dec = slice(batch.num_prefill, None)
+        n_dec, sampled = batch.num_decode, batch.sampled[dec]
+        tokens = torch.zeros(n_dec, 0, dtype=torch.long, device=self.device)
+        conf = torch.zeros(n_dec, 0, device=self.device)
+        probs = torch.zeros(n_dec, 0, self.vocab_size, device=self.device) if bool(sampled.any()) else None
+        return self._lookup(batch.requests[dec], batch.remaining[dec], sampled, tokens, probs, conf)
+
     def _advance(self, batch: ScheduledBatch, proposal: Proposal, depth, forward: PackedForward,
                  verified: verification.Verified) -> list[TokenEvent]:
         """Calibration learns the step's outcomes; the runner keeps the accepted tokens (KV, drafter features,
         anchors); the scheduler hands them to their requests and finishes those that ended."""
-        if proposal.drafted:
+        if proposal.kind != "plain":
             drafted_rows = torch.arange(len(batch), device=self.device) >= batch.num_prefill
+            if not proposal.drafted:  # a lookup step: only the rows that carried a lookup proposed anything
+                drafted_rows &= proposal.lookup
             self.policy.observe(proposal.conf, depth, verified.num_accepted, drafted_rows, proposal.lookup)
         self.runner.advance(forward, batch.slots, verified.num_accepted, verified.emitted, verified.next_token)
         return self.scheduler.update(batch.requests, verified.emitted.tolist(), verified.num_accepted.tolist(),
@@ -229,7 +250,7 @@ class SpeculativeEngine:
         trace.draft_tokens = proposal.tokens.tolist()
         trace.verified, trace.accepted = depth.tolist(), verified.num_accepted.tolist()
         trace.prefill = [len(p) for p in batch.prompts] + [0] * batch.num_decode
-        trace.choice = "speculative" if proposal.drafted else "plain"
+        trace.choice = {"draft": "speculative", "lookup": "lookup"}.get(proposal.kind, "plain")
         trace.drafted_tokens = int(proposal.num_drafted.sum())
         trace.verified_tokens = int(depth.sum())
         trace.pruned_tokens = trace.drafted_tokens - trace.verified_tokens
@@ -238,6 +259,7 @@ class SpeculativeEngine:
         t = self.totals
         t["steps"] += 1
         t["speculative_steps"] += int(proposal.drafted)
+        t["lookup_steps"] += int(proposal.kind == "lookup" and trace.verified_tokens > 0)
         t["tokens"] += sum(len(e.token_ids) for e in events)
         t["decode_row_steps"] += batch.num_decode
         t["drafted"] += trace.drafted_tokens
@@ -247,7 +269,9 @@ class SpeculativeEngine:
         t["lookup_rows"] += int(proposal.lookup.sum()) if proposal.lookup is not None else 0
         t["seconds"] += seconds
         decode_tokens = int(verified.num_accepted[batch.num_prefill:].sum()) + batch.num_decode
-        self.policy.observe_step(proposal.drafted, batch.num_prefill, batch.num_decode, decode_tokens, seconds)
+        # the measured kind: what the step cost is what it did (a lookup step that verified nothing was plain)
+        kind = True if proposal.drafted else (dcut.LOOKUP if trace.verified_tokens else False)
+        self.policy.observe_step(kind, batch.num_prefill, batch.num_decode, decode_tokens, seconds)
 
     def _release(self, slot: int) -> None:
         """A request finished: free what its slot holds (the scheduler's callback)."""
@@ -285,15 +309,17 @@ class SpeculativeEngine:
         return self.policy.acceptance(conf, lookup)
 
     def _lookup(self, requests, remaining, sampled, tokens, probs, conf):
-        span = min(self.policy.lookup_tokens, self.batch_drafter.num_draft_tokens)
+        span = self.policy.lookup_tokens
+        if self.batch_drafter is not None:
+            span = min(span, self.batch_drafter.num_draft_tokens)
         return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, self.plan_acceptance)
 
-    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled) -> torch.Tensor:
+    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled, drafted=True) -> torch.Tensor:
         """D-Cut's depth `[B]` per row (`DCutPolicy.select`), recorded in `trace`."""
         if accept is None:
             return torch.zeros_like(num_drafted)
         depth, survival = self.policy.select(accept, num_drafted, rows, base_tokens, n_dec, sampled,
-                                             self.plan_acceptance)
+                                             self.plan_acceptance, drafted)
         trace.survival = survival.tolist()
         trace.budget = int(depth.sum())
         return depth

@@ -83,6 +83,13 @@ class AcceptanceCalibrator:
                                (self.confidence_sum, conf)):
             target.index_add_(0, cells, values)
 
+    def position_rates(self) -> list[float]:
+        """Acceptance per draft position over every confidence (the prior included), as Python floats: what a step
+        may expect before anything is drafted."""
+        accepted = self.accepted.reshape(self.num_positions, self.num_bins).sum(1)
+        trials = self.trials.reshape(self.num_positions, self.num_bins).sum(1)
+        return (accepted / trials).tolist()
+
     def _per_bin(self, cells: torch.Tensor) -> torch.Tensor:
         return cells.reshape(self.num_positions, self.num_bins).sum(0)
 
@@ -234,6 +241,42 @@ def plan_acceptance(accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor
     return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
 
 
+class BackOff:
+    """Skip an option for a while after it lost: `first` steps, doubling while it keeps losing (up to `cap`); the step
+    after a pause tries it again (a probe, which re-measures it)."""
+
+    def __init__(self, first: int, cap: int):
+        self.first, self.cap = first, cap
+        self.left, self.length, self.probe = 0, first, False
+        self.probing = False  # the last `allows` was a probe
+
+    def allows(self, losing: bool) -> bool:
+        """May the option be taken this step? `losing`: has it measured worse than plain (starts a pause)."""
+        self.probing = False
+        if self.left > 0:
+            self.left -= 1
+            self.probe = self.left == 0
+            return False
+        if self.probe:
+            self.probe, self.probing = False, True
+            return True
+        if losing:
+            self.lost()
+            self.left -= 1  # this step is the pause's first
+            return False
+        return True
+
+    def lost(self) -> None:
+        self.left = self.length
+        self.length = min(2 * self.length, self.cap)
+
+    def reset(self) -> None:
+        self.length = self.first
+
+
+LOOKUP = "lookup"  # the measured kind of a step that verified n-gram lookups without running the drafter
+
+
 class DCutPolicy:
     """D-Cut's decisions for one engine, in its verify mode (`parse_verify`): "auto" (budget from the cost model,
     with back-off to plain steps), a fixed token budget, a fixed depth, or every drafted token ("full").
@@ -242,11 +285,16 @@ class DCutPolicy:
     replace a row's drafted block when `lookup_tokens` > 0, their confidence (matched n-gram length /
     `lookup_max_ngram`) calibrated on its own.
 
-    "auto" backs off to plain steps (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the cost
-    model plans a step that would not beat a plain one, and also when the speculative steps measured at this batch
-    size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than the plain ones: a cost
-    model profiled on an idle machine, or calibration still learning, cannot then make batched decoding slower for
-    long. The decisions read only past steps, so they keep sampling exact."""
+    Each "auto" step is one of three kinds (`step_kind`), decided before anything is drafted: **draft** (the drafter
+    runs; lookups may replace rows), **lookup** (n-gram lookups only: no drafter call, so it costs nothing but the
+    tokens verified) or **plain**. The drafter runs only while a step planned with the acceptance each draft
+    position has had so far beats a plain one under the cost model (at large batches on a CPU, verifying a token
+    costs about as much as decoding one, and drafting is never paid back). Each kind also backs off to plain steps
+    (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the speculative steps measured at this
+    batch size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than the plain ones,
+    and the drafter also when the cost model plans a drafted step that would not beat a plain one: a cost model
+    profiled on an idle machine, or calibration still learning, cannot then make batched decoding slower for long.
+    The decisions read only past steps, so they keep sampling exact."""
 
     def __init__(self, mode: str, mode_value: int | None, *, cost_model: CostModel | None = None,
                  load_cost_model=None, calibrator: AcceptanceCalibrator | None = None, probe_every: int = 8,
@@ -259,11 +307,10 @@ class DCutPolicy:
         self.lookup_calibrator = AcceptanceCalibrator(prior=0.5)
         self.lookup_tokens, self.lookup_max_ngram = lookup_tokens, lookup_max_ngram
         self.probe_every = probe_every
-        self.plain_steps_left = 0
-        self._backoff = probe_every
-        self.max_backoff = 8 * probe_every
+        self.drafter_backoff = BackOff(probe_every, 8 * probe_every)
+        self.lookup_backoff = BackOff(probe_every, 8 * probe_every)
         self.measured = MeasuredRates() if measure else None
-        self._probe = False
+        self.planned: dict[int, float] = {}  # per batch-size bucket: D-Cut's planned rate over plain's (moving average)
 
     @property
     def cost_model(self) -> CostModel:
@@ -272,33 +319,65 @@ class DCutPolicy:
         return self._cost_model
 
     # ---- before drafting ---------------------------------------------------------------------------------------------
+    def step_kind(self, n_dec: int, rows: int, base_tokens: int, width: int) -> str:
+        """"draft", "lookup" or "plain" for a step of `rows` requests (`n_dec` decoding; `base_tokens` in the target
+        forward before any draft) whose drafter would draft `width` tokens (0: no drafter). Every mode but "auto"
+        drafts whenever it can."""
+        if self.mode != "auto":
+            return "draft" if width else "plain"
+        if self.measured is not None and self.measured.plain_due(n_dec, self.probe_every):
+            return "plain"  # a batch size measured speculating but never plain: measure plain, 1 step in probe_every
+        if width and self._drafter_allowed(n_dec):
+            if self.drafter_backoff.probing or self.drafting_may_pay(rows, base_tokens, n_dec, width):
+                return "draft"
+            self.drafter_backoff.lost()  # planned not to pay: lookups or plain steps, then a probe re-plans it
+        if self.uses_lookup:
+            losing = self.measured is not None and self.measured.loses(n_dec, LOOKUP)
+            if self.lookup_backoff.allows(losing):
+                if not losing:
+                    self.lookup_backoff.reset()
+                return "lookup"
+        return "plain"
+
     def should_draft(self, n_dec: int) -> bool:
-        """False while backing off (a plain step is taken instead; "auto" mode only), and when the speculative steps
-        measured at this batch size have delivered fewer tokens per second than plain ones (which starts a back-off;
-        the step after one drafts, to re-measure). A batch size with speculative measurements but no plain one takes a
-        plain step in `probe_every` to measure it."""
+        """The drafter's gate alone: False while backing off (a plain step is taken instead; "auto" mode only), and
+        when the speculative steps measured at this batch size have delivered fewer tokens per second than plain ones
+        (which starts a back-off; the step after one drafts, to re-measure). A batch size with speculative
+        measurements but no plain one takes a plain step in `probe_every` to measure it."""
         if self.mode != "auto":
             return True
-        if self.plain_steps_left > 0:
-            self.plain_steps_left -= 1
-            self._probe = self.plain_steps_left == 0  # the step after a back-off drafts: it re-measures speculation
+        if self.measured is not None and self.measured.plain_due(n_dec, self.probe_every):
             return False
-        if self._probe:
-            self._probe = False
-            return True
-        if self.measured is not None:
-            if self.measured.plain_due(n_dec, self.probe_every):  # measure plain: 1 step in probe_every
-                return False
-            if self.measured.loses(n_dec):
-                self._back_off()
-                self.plain_steps_left -= 1
-                return False
-        return True
+        return self._drafter_allowed(n_dec)
 
-    def observe_step(self, speculative: bool, n_pre: int, n_dec: int, decode_tokens: int, seconds: float) -> None:
-        """The delivered rate of a finished step (steps that also prefilled are not comparable and are skipped)."""
+    def _drafter_allowed(self, n_dec: int) -> bool:
+        return self.drafter_backoff.allows(self.measured is not None and self.measured.loses(n_dec))
+
+    def drafting_may_pay(self, rows: int, base_tokens: int, n_dec: int, width: int) -> bool:
+        """Could a drafted step beat a plain one? Planned before drafting, under the cost model (the drafting call
+        included): by what D-Cut planned from the drafted confidences in the last drafted steps at this batch size
+        (`planned`), else with every decoding row verifying the same depth at the acceptance each draft position has
+        had so far (`AcceptanceCalibrator.position_rates`, its prior until observed), where any depth up to `width`
+        that beats a plain step says yes."""
+        planned = self.planned.get(MeasuredRates.bucket(n_dec))
+        if planned is not None:
+            return planned > 1.0
+        cost = self.cost_model
+        rates = self.calibrator.position_rates()
+        plain = n_dec / cost.verify(rows, base_tokens)
+        survival, gain = 1.0, 0.0
+        for d in range(width):
+            survival *= rates[min(d, len(rates) - 1)]
+            gain += survival
+            if n_dec * (1 + gain) / (cost.verify(rows, base_tokens + n_dec * (d + 1)) + cost.draft(rows)) > plain:
+                return True
+        return False
+
+    def observe_step(self, kind, n_pre: int, n_dec: int, decode_tokens: int, seconds: float) -> None:
+        """The delivered rate of a finished step of `kind` (`MeasuredRates`: True drafted, `LOOKUP`, False plain;
+        steps that also prefilled are not comparable and are skipped)."""
         if self.measured is not None and n_pre == 0:
-            self.measured.observe(speculative, n_dec, decode_tokens, seconds)
+            self.measured.observe(kind, n_dec, decode_tokens, seconds)
 
     def draft_width(self, num_draft_tokens: int) -> int:
         if self.mode in ("depth", "budget"):  # no row ever verifies more: do not draft more
@@ -375,9 +454,11 @@ class DCutPolicy:
             accept = torch.where(lookup[:, None], self.lookup_calibrator(conf), accept)
         return accept
 
-    def select(self, accept, num_drafted, rows: int, base_tokens: int, n_dec: int, sampled, plan=plan_acceptance):
+    def select(self, accept, num_drafted, rows: int, base_tokens: int, n_dec: int, sampled, plan=plan_acceptance,
+               drafted: bool = True):
         """How many draft tokens each row verifies, `depth [B]`, and every position's survival `[B, K]`, for a step of
-        `rows` requests whose target forward has `base_tokens` tokens before any draft (`n_dec` rows decoding)."""
+        `rows` requests whose target forward has `base_tokens` tokens before any draft (`n_dec` rows decoding);
+        `drafted`: the drafter ran (False: a lookup step, whose proposals cost nothing to make)."""
         if self.mode == "depth":
             return num_drafted.clamp(max=self.mode_value), torch.cumprod(accept, 1)
         if self.mode == "full":
@@ -385,13 +466,13 @@ class DCutPolicy:
         if self.mode == "budget":
             depth, survival, _ = kernels.dcut_select(accept, num_drafted, self.mode_value)
             return depth, survival
-        return self._select_auto(accept, num_drafted, rows, base_tokens, n_dec, sampled, plan)
+        return self._select_auto(accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted)
 
-    def _select_auto(self, accept, num_drafted, rows, base_tokens, n_dec, sampled, plan):
+    def _select_auto(self, accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted):
         """The budget that maximises expected tokens per second under the cost model, planned with `plan`; a sampled
         row verifies every position whose survival clears the plan's lowest chosen survival."""
         max_extra = int(num_drafted.sum())
-        costs = self.cost_model.step_costs(rows, base_tokens, max_extra, drafted=True, device=accept.device)
+        costs = self.cost_model.step_costs(rows, base_tokens, max_extra, drafted=drafted, device=accept.device)
         depth, planned, chosen = kernels.dcut_select(plan(accept, sampled), num_drafted, max_extra, costs, float(n_dec))
         ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
         valid = ar < num_drafted[:, None]
@@ -399,7 +480,8 @@ class DCutPolicy:
         # sampled rows: every position whose survival clears the plan's lowest chosen survival (none: +inf)
         threshold = torch.where(ar < depth[:, None], planned, torch.full_like(planned, float("inf"))).amin()
         depth = torch.where(sampled, ((survival >= threshold) & valid).sum(1), depth)
-        self._back_off_if_plain_wins(planned, chosen, costs, rows, base_tokens, n_dec)
+        if drafted:
+            self._back_off_if_plain_wins(planned, chosen, costs, rows, base_tokens, n_dec)
         return depth, survival
 
     def _back_off_if_plain_wins(self, planned, chosen, costs, rows, base_tokens, n_dec) -> None:
@@ -407,14 +489,13 @@ class DCutPolicy:
         gain = float(n_dec + (planned.reshape(-1).sort(descending=True).values[: int(chosen)].sum()))
         speculative_rate = gain / float(costs[int(chosen)])
         plain_rate = n_dec / self.cost_model.verify(rows, base_tokens)
+        bucket, ratio = MeasuredRates.bucket(n_dec), speculative_rate / plain_rate
+        old = self.planned.get(bucket)
+        self.planned[bucket] = ratio if old is None else old + 0.2 * (ratio - old)
         if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing
-            self._back_off()
+            self.drafter_backoff.lost()
         elif self.measured is None or not self.measured.loses(n_dec):
-            self._backoff = self.probe_every
-
-    def _back_off(self) -> None:
-        self.plain_steps_left = self._backoff
-        self._backoff = min(2 * self._backoff, self.max_backoff)
+            self.drafter_backoff.reset()
 
     # ---- after verification ------------------------------------------------------------------------------------------
     def observe(self, conf, depth, num_accepted, drafted_rows, lookup) -> None:

@@ -22,12 +22,20 @@ from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep
 class PackedForward:
     """One step's target forward, as verification and `ModelRunner.advance` need it."""
 
-    scored: torch.Tensor  # [B, span, V] logits at each row's verified positions: j after draft j - 1 (0: the anchor)
+    logits: torch.Tensor  # [T, V] the packed forward's logits
+    positions: torch.Tensor  # [B, span] packed index of each row's verified positions: j after draft j - 1 (0: the
+    # anchor), padded by repeating the row's last
     hidden_states: tuple | None  # the target's hidden states (packed), when the drafter reads features
     step: RaggedStep
     fed: torch.Tensor  # [B, n_max] token ids fed per row
     new: torch.Tensor  # [B] tokens fed per row
     num_prefill: int  # the first rows prefill prompts
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """`[B, span, V]` logits at each row's verified positions (a copy: `verification.verify_forward` reads only
+        the rows it needs where it can)."""
+        return self.logits[self.positions]
 
 
 class ModelRunner:
@@ -94,7 +102,7 @@ class ModelRunner:
         out = self._run_target(step, fed[step.token_row, step.token_col][None])
         logits = out.logits[0]  # [T, V]
         step.commit()
-        return PackedForward(self._scored(logits, new, depth), out.hidden_states, step, fed, new, n_pre)
+        return PackedForward(logits, self._positions(new, depth), out.hidden_states, step, fed, new, n_pre)
 
     def _fed_tokens(self, slots, prompts, draft, new) -> torch.Tensor:
         """`[B, n_max]`: a new request's prompt (once per request), else its anchor then its draft tokens."""
@@ -116,13 +124,12 @@ class ModelRunner:
         return self.target(input_ids=input_ids, position_ids=positions, use_cache=False, ragged=step, **kwargs)
 
     @staticmethod
-    def _scored(logits, new, depth) -> torch.Tensor:
-        """`[B, span, V]` rows of the packed `logits [T, V]`: each row's last `depth + 1` positions (padded by
-        repeating its last one)."""
+    def _positions(new, depth) -> torch.Tensor:
+        """`[B, span]` packed indices of each row's last `depth + 1` fed tokens (padded by repeating its last one)."""
         ends = new.cumsum(0) - 1  # packed index of each row's last fed token
         span = int(depth.max()) + 1 if len(depth) else 1
-        ar = torch.arange(span, device=logits.device)[None, :]
-        return logits[(ends - depth)[:, None] + torch.minimum(ar, depth[:, None])]
+        ar = torch.arange(span, device=new.device)[None, :]
+        return (ends - depth)[:, None] + torch.minimum(ar, depth[:, None])
 
     def advance(self, fwd: PackedForward, slots, num_accepted, emitted, next_token) -> None:
         """Keep what verification accepted: each slot's KV length, the features the drafter will read, the anchor.

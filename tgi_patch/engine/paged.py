@@ -7,7 +7,10 @@ page table; rejected draft tokens are dropped by lowering its length (their slot
 Two ways a model reads it:
 * the target runs **packed** — the new tokens of all sequences in one row `[1, T]`, so every linear layer costs the
   tokens actually verified — through the `angelspec_ragged` attention function registered below (it writes the new
-  keys/values into the pool, gathers each sequence's keys, attends, and packs the result back);
+  keys/values into the pool, gathers each sequence's keys, attends, and packs the result back). Attention pads the
+  queries of a group of sequences to its longest: sequences are grouped by their new-token count in powers of two
+  (`RaggedStep.groups`), so a prompt prefilled beside decoding requests, or one long draft beside short ones, does
+  not pad every sequence of the batch to its length;
 * drafters run **padded** `[B, n_max]` through `PoolCache`, a cache object with the `update()` contract transformers'
   attention layers call, plus an explicit 4-D mask (drafter batches are small: one block per sequence).
 """
@@ -142,6 +145,7 @@ class RaggedStep:
     # packed mode only: where each packed token sits in the padded query layout
     token_row: torch.Tensor | None = None  # [T]
     token_col: torch.Tensor | None = None  # [T]
+    _groups: list | None = None
 
     @classmethod
     def build(cls, pool: PagedKVPool, slots, new, packed: bool) -> RaggedStep:
@@ -175,6 +179,31 @@ class RaggedStep:
         )
         return _additive(allowed[:, None], dtype)
 
+    def groups(self, dtype) -> list[AttentionGroup]:
+        """Packed mode: the step's sequences grouped by `new` rounded up to a power of two (padding within a group
+        stays under 2x), with what attention needs per group; built once per step, shared by every layer."""
+        if self._groups is None:
+            dev = self.slots.device
+            extra = (self.new - 1).clamp(min=0).double()  # bucket: the bit length of new - 1 (1 | 2 | 3-4 | 5-8 ...)
+            bucket = torch.where(extra > 0, extra.clamp(min=1).log2().floor() + 1, torch.zeros_like(extra)).long()
+            total = self.held + self.new
+            token_bucket = bucket[self.token_row]
+            groups = []
+            for b in torch.unique(bucket).tolist():
+                rows = (bucket == b).nonzero().flatten()
+                tokens = (token_bucket == b).nonzero().flatten()
+                rank = torch.empty(len(self.slots), dtype=torch.long, device=dev)
+                rank[rows] = torch.arange(len(rows), device=dev)
+                kv_max, n_max = int(total[rows].max()), int(self.new[rows].max())
+                key_pos = torch.arange(kv_max, device=dev)
+                query_pos = self.held[rows, None] + torch.arange(n_max, device=dev)[None, :]
+                allowed = self.key_valid[rows, None, :kv_max] & (key_pos[None, None, :] <= query_pos[:, :, None])
+                groups.append(AttentionGroup(tokens, rank[self.token_row[tokens]], self.token_col[tokens], len(rows),
+                                             n_max, self.gather_index[rows, :kv_max],
+                                             _additive(allowed[:, None], dtype)))
+            self._groups = groups
+        return self._groups
+
     def commit(self) -> None:
         self.pool.lengths[self.slots] = self.held + self.new
 
@@ -183,6 +212,19 @@ class RaggedStep:
         k = self.pool.k[layer][self.gather_index].transpose(1, 2)
         v = self.pool.v[layer][self.gather_index].transpose(1, 2)
         return k, v
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of a packed step that attend together, padded to their longest new-token count."""
+
+    tokens: torch.Tensor  # [t] packed indices of their new tokens
+    row: torch.Tensor  # [t] each token's sequence within the group
+    col: torch.Tensor  # [t] and its column (0: the sequence's first new token)
+    num_rows: int
+    n_max: int
+    gather_index: torch.Tensor  # [rows, kv_max] pool slots of each sequence's keys
+    mask: torch.Tensor  # additive [rows, 1, n_max, kv_max]
 
 
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -202,16 +244,19 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     pool = step.pool
     pool.k[layer][step.write_index] = key[0].transpose(0, 1).to(pool.k.dtype)
     pool.v[layer][step.write_index] = value[0].transpose(0, 1).to(pool.v.dtype)
-    keys, values = step.gather(layer)
-    batch, n_max = len(step.slots), int(step.new.max())
-    q = query.new_zeros(batch, query.shape[1], n_max, query.shape[3])
-    q[step.token_row, :, step.token_col] = query[0].transpose(0, 1)
-    mask = step.causal_mask(q.dtype)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scaling,
-        enable_gqa=keys.shape[1] != q.shape[1],
-    )  # [B, H, n_max, D]
-    return out[step.token_row, :, step.token_col][None], None  # [1, T, H, D]
+    packed = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(packed)
+    for group in step.groups(query.dtype):
+        keys = pool.k[layer][group.gather_index].transpose(1, 2).to(query.dtype)  # [rows, Hkv, kv_max, D]
+        values = pool.v[layer][group.gather_index].transpose(1, 2).to(query.dtype)
+        q = packed.new_zeros(group.num_rows, group.n_max, *packed.shape[1:])
+        q[group.row, group.col] = packed[group.tokens]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scaling,
+            enable_gqa=keys.shape[1] != q.shape[2],
+        )  # [rows, H, n_max, D]
+        out[group.tokens] = o.transpose(1, 2)[group.row, group.col]
+    return out[None], None  # [1, T, H, D]
 
 
 AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)

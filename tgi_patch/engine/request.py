@@ -69,7 +69,7 @@ class StepTrace:
     accepted: list[int] = field(default_factory=list)
     prefill: list[int] = field(default_factory=list)  # prompt tokens prefilled this step per request (0: decoding)
     budget: int = 0  # draft tokens verified in total
-    choice: str = "plain"  # "speculative": drafted this step; "plain": decoded without drafting
+    choice: str = "plain"  # "speculative": the drafter ran; "lookup": n-gram lookups only; "plain": nothing proposed
     verified_tokens: int = 0
     pruned_tokens: int = 0
     drafted_tokens: int = 0
