@@ -227,40 +227,48 @@ class MeasuredRates:
     batch size (rows decoding, in power-of-two buckets; the hook is batch 1), as exponential moving averages over steps
     without prefill. The cost model plans a step; these say whether such plans have paid on this machine, under its
     present load, with every overhead the model does not see. The batched engine and the `generate()` hook both back
-    off to plain steps by them."""
+    off to plain steps by them.
+
+    A step's kind is `False` (plain), `True` (drafted) or any other label (the engine's `"lookup"`: n-gram proposals
+    verified without running the drafter); each kind is compared with plain steps."""
+
+    PLAIN = False
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
-        self.rates: dict[tuple[bool, int], float] = {}
+        self.rates: dict[tuple, float] = {}
         self._unmeasured = 0
 
     @staticmethod
     def bucket(n_dec: int) -> int:
         return max(n_dec, 1).bit_length()
 
-    def observe(self, speculative: bool, n_dec: int, tokens: int, seconds: float) -> None:
+    def observe(self, kind, n_dec: int, tokens: int, seconds: float) -> None:
         if n_dec <= 0 or seconds <= 0:
             return
-        key, rate = (speculative, self.bucket(n_dec)), tokens / seconds
+        key, rate = (kind, self.bucket(n_dec)), tokens / seconds
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + self.smoothing * (rate - old)
 
-    def get(self, speculative: bool, n_dec: int) -> float | None:
-        return self.rates.get((speculative, self.bucket(n_dec)))
+    def get(self, kind, n_dec: int) -> float | None:
+        return self.rates.get((kind, self.bucket(n_dec)))
 
-    def forget(self, speculative: bool) -> None:
-        """Drop the rates of speculative (or plain) steps, at every batch size."""
-        self.rates = {key: rate for key, rate in self.rates.items() if key[0] != speculative}
+    def forget(self, kind) -> None:
+        """Drop the rates of one kind of step, at every batch size."""
+        self.rates = {key: rate for key, rate in self.rates.items() if key[0] != kind}
 
-    def loses(self, n_dec: int) -> bool:
-        """Have speculative steps at this batch size delivered fewer tokens per second than plain ones?"""
-        speculative, plain = self.get(True, n_dec), self.get(False, n_dec)
+    def loses(self, n_dec: int, kind=True) -> bool:
+        """Have steps of `kind` (drafted ones by default) at this batch size delivered fewer tokens per second than
+        plain ones?"""
+        speculative, plain = self.get(kind, n_dec), self.get(self.PLAIN, n_dec)
         return speculative is not None and plain is not None and speculative < plain
 
     def plain_due(self, n_dec: int, every: int) -> bool:
-        """While speculative steps at this batch size have been measured and plain ones not: True once in `every`
-        calls, for a plain step that measures them."""
-        if self.get(True, n_dec) is None or self.get(False, n_dec) is not None:
+        """While other steps at this batch size have been measured and plain ones not: True once in `every` calls, for
+        a plain step that measures them."""
+        bucket = self.bucket(n_dec)
+        others = any(b == bucket and kind != self.PLAIN for kind, b in self.rates)
+        if not others or self.get(self.PLAIN, n_dec) is not None:
             return False
         self._unmeasured = (self._unmeasured + 1) % every
         return self._unmeasured == 0
@@ -344,7 +352,7 @@ class DraftLengthPolicy:
         not lift the drafted rate that chat had measured above the plain one before the wait doubled again."""
         self.plain_left, self.probe_due, self.backoff = 0, False, self.probe_every
         if self.measured is not None:
-            self.measured.forget(speculative=True)
+            self.measured.forget(True)
 
     # ---- the decisions -----------------------------------------------------------------------------------------
     def expected_rate(self, k: int) -> float:
