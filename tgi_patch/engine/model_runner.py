@@ -22,9 +22,9 @@ from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep
 class PackedForward:
     """One step's target forward, as verification and `ModelRunner.advance` need it."""
 
-    logits: torch.Tensor  # [T, V] the packed forward's logits
-    positions: torch.Tensor  # [B, span] packed index of each row's verified positions: j after draft j - 1 (0: the
-    # anchor), padded by repeating the row's last
+    logits: torch.Tensor  # [P, V] the logits of the positions some row verifies (only those are computed)
+    positions: torch.Tensor  # [B, span] index into `logits` of each row's verified positions: j after draft j - 1
+    # (0: the anchor), padded by repeating the row's last
     hidden_states: tuple | None  # the target's hidden states (packed), when the drafter reads features
     step: RaggedStep
     fed: torch.Tensor  # [B, n_max] token ids fed per row
@@ -33,8 +33,8 @@ class PackedForward:
 
     @property
     def scored(self) -> torch.Tensor:
-        """`[B, span, V]` logits at each row's verified positions (a copy: `verification.verify_forward` reads only
-        the rows it needs where it can)."""
+        """`[B, span, V]` logits at each row's verified positions (a copy, padded to the deepest row:
+        `verification.verify_forward` reads only the rows it needs where it can)."""
         return self.logits[self.positions]
 
 
@@ -99,10 +99,12 @@ class ModelRunner:
         new = torch.cat([torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev), 1 + depth[n_pre:]])
         fed = self._fed_tokens(slots, prompts, draft, new)
         step = RaggedStep.build(self.pool, slots, new, packed=True)
-        out = self._run_target(step, fed[step.token_row, step.token_col][None])
-        logits = out.logits[0]  # [T, V]
+        positions = self._positions(new, depth)
+        keep = torch.unique(positions)  # sorted: the LM head runs on these only (a prompt needs its last token's)
+        out = self._run_target(step, fed[step.token_row, step.token_col][None], logits_to_keep=keep)
         step.commit()
-        return PackedForward(logits, self._positions(new, depth), out.hidden_states, step, fed, new, n_pre)
+        return PackedForward(out.logits[0], torch.searchsorted(keep, positions), out.hidden_states, step, fed, new,
+                             n_pre)
 
     def _fed_tokens(self, slots, prompts, draft, new) -> torch.Tensor:
         """`[B, n_max]`: a new request's prompt (once per request), else its anchor then its draft tokens."""
@@ -117,11 +119,13 @@ class ModelRunner:
                 fed[n_pre:, 1 : 1 + k] = draft[n_pre:, : n_max - 1] if n_max - 1 < k else draft[n_pre:]
         return fed
 
-    def _run_target(self, step: RaggedStep, input_ids):
-        """The target over the packed tokens `input_ids [1, T]` of `step` (hidden states of the drafter's layers)."""
+    def _run_target(self, step: RaggedStep, input_ids, logits_to_keep=0):
+        """The target over the packed tokens `input_ids [1, T]` of `step` (hidden states of the drafter's layers),
+        with logits at the packed positions `logits_to_keep` (0: all)."""
         positions = (step.held[step.token_row] + step.token_col)[None]
         kwargs = {"output_hidden_states": [i + 1 for i in self.layer_ids]} if self.layer_ids else {}
-        return self.target(input_ids=input_ids, position_ids=positions, use_cache=False, ragged=step, **kwargs)
+        return self.target(input_ids=input_ids, position_ids=positions, use_cache=False, ragged=step,
+                           logits_to_keep=logits_to_keep, **kwargs)
 
     @staticmethod
     def _positions(new, depth) -> torch.Tensor:

@@ -120,7 +120,7 @@ def verify_forward(forward, draft, draft_probs, depth, requests, process=process
 
 
 def verify_greedy(logits, positions, draft, depth) -> Verified:
-    """Greedy verification of `depth [B]` draft tokens `draft [B, K]` against the packed `logits [T, V]` at
+    """Greedy verification of `depth [B]` draft tokens `draft [B, K]` against `logits [P, V]` at their rows
     `positions [B, span]` (as `verify_drafts` with `raw = logits[positions]` and every request greedy, the same
     tokens), reading the B + verified rows it needs instead of B x span: with one request verifying a 10-token lookup
     beside 31 that verify none, the padded copy and its log-softmax took 85 ms of a 320 ms step on this CPU."""
