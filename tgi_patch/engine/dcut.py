@@ -288,8 +288,8 @@ class DCutPolicy:
     Each "auto" step is one of three kinds (`step_kind`), decided before anything is drafted: **draft** (the drafter
     runs; lookups may replace rows), **lookup** (n-gram lookups only: no drafter call, so it costs nothing but the
     tokens verified) or **plain**. The drafter runs only while a step planned with the acceptance each draft
-    position has had so far beats a plain one under the cost model (at large batches on a CPU, verifying a token
-    costs about as much as decoding one, and drafting is never paid back). Each kind also backs off to plain steps
+    position has had so far (or D-Cut's last plans at this batch size) beats a plain one under the cost model (on this
+    project's 2-core CPU, from about 4 requests up, a drafting call is not paid back). Each kind also backs off to plain steps
     (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the speculative steps measured at this
     batch size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than the plain ones,
     and the drafter also when the cost model plans a drafted step that would not beat a plain one: a cost model
