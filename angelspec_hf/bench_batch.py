@@ -126,7 +126,7 @@ def _summarise(concurrency: int, method: str, requests: int, runs: list[dict]) -
     record = {"concurrency": concurrency, "method": method, "requests": requests, "repeats": len(runs)}
     for key in ("seconds", "tokens", "throughput", "latency_p50", "latency_p99", "tau", "verified_per_step",
                 "pruned_per_step", "speculative_steps", "lookup_steps", "speedup"):
-        record[key] = statistics.median(r.get(key, 0.0) for r in runs)
+        record[key] = statistics.median(r[key] for r in runs)
     record["speedup_min"] = min(r["speedup"] for r in runs)
     record["speedup_max"] = max(r["speedup"] for r in runs)
     record["identical"] = all(r["identical"] for r in runs)
@@ -145,7 +145,7 @@ def write_concurrency_outputs(records, out_dir, setting: str) -> dict[str, Path]
         spread = f" ({r['speedup_min']:.2f}–{r['speedup_max']:.2f})" if r.get("repeats", 1) > 1 else ""
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['throughput']:.1f} | "
                      f"{r['speedup']:.2f}x{spread} | {r['tau']:.2f} | {r['verified_per_step']:.1f} | {r['pruned_per_step']:.1f} | "
-                     f"{100 * r['speculative_steps']:.0f}% | {100 * r.get('lookup_steps', 0.0):.0f}% | "
+                     f"{100 * r['speculative_steps']:.0f}% | {100 * r['lookup_steps']:.0f}% | "
                      f"{r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
                      f"{'yes' if r['identical'] else '**NO**'} |")
     methods = list(dict.fromkeys(r["method"] for r in records))
