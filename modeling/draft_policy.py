@@ -60,31 +60,60 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ANGELSPEC_CACHE", Path.home() / ".cache" / "angelspec")) / "cost_models"
 
 
-def _moments(x: float, y: float, w: float) -> torch.Tensor:
-    return w * torch.tensor([1.0, x, x * x, y, x * y], dtype=torch.float64)  # w, w·x, w·x², w·y, w·x·y
+class OnlineLeastSquares:
+    """`y ≈ features · coef` by exponentially weighted least squares (× `decay` per observation: recent ones count
+    most), started from prior pseudo-observations (`prior_x` rows with values `prior_y`, worth `prior_weight`
+    observations in all) whose weight fades × `prior_fade` per observation down to `min_prior` of it. Early
+    observations then never give wild coefficients, a stale prior does not linger, and directions the data never vary
+    along (e.g. every step of a batch at one size) keep the prior's slope as long as `min_prior` > 0."""
+
+    def __init__(self, prior_x, prior_y, prior_weight: float = 4.0, decay: float = 0.99, prior_fade: float = 0.9,
+                 min_prior: float = 0.0):
+        x = torch.tensor(prior_x, dtype=torch.float64)
+        y = torch.tensor(prior_y, dtype=torch.float64)
+        w = prior_weight / len(x)
+        self.prior_xx, self.prior_xy = w * x.T @ x, w * x.T @ y
+        self.xx, self.xy = torch.zeros_like(self.prior_xx), torch.zeros_like(self.prior_xy)
+        self.decay, self.prior_fade, self.min_prior = decay, prior_fade, min_prior
+        self.prior_scale, self.count = 1.0, 0
+
+    def add(self, x, y: float) -> None:
+        x = torch.tensor(x, dtype=torch.float64)
+        self.xx = self.xx * self.decay + torch.outer(x, x)
+        self.xy = self.xy * self.decay + x * float(y)
+        self.prior_scale = max(self.prior_scale * self.prior_fade, self.min_prior)
+        self.count += 1
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(XᵀWX, XᵀWy)` of the data and the prior together."""
+        return self.xx + self.prior_scale * self.prior_xx, self.xy + self.prior_scale * self.prior_xy
+
+    @property
+    def coef(self) -> tuple[float, ...]:
+        xx, xy = self.moments()
+        return tuple(torch.linalg.lstsq(xx, xy[:, None]).solution[:, 0].tolist())
 
 
-class LinearFit:
-    """`y ≈ a + b·x` by exponentially weighted least squares (recent rounds count most), started from a prior line
-    worth `prior_weight` observations (at x = 1 and x = `prior_span`) whose weight fades as data arrive (× `prior_fade`
-    per observation), so early rounds at one x never give a wild slope and a stale profile does not linger."""
+class LinearFit(OnlineLeastSquares):
+    """`y ≈ a + b·x` (`OnlineLeastSquares` of the features `(1, x)`), its prior a line through x = 1 and x =
+    `prior_span`; the slope is never negative (a cost never falls with more tokens)."""
 
     def __init__(self, a: float, b: float, prior_weight: float = 4.0, prior_span: float = 8.0, decay: float = 0.99,
                  prior_fade: float = 0.9):
-        self.decay, self.prior_fade = decay, prior_fade
-        self.prior = _moments(1.0, a + b, prior_weight / 2) + _moments(prior_span, a + b * prior_span, prior_weight / 2)
-        self.data = torch.zeros(5, dtype=torch.float64)
+        super().__init__([[1.0, 1.0], [1.0, prior_span]], [a + b, a + b * prior_span], prior_weight, decay,
+                         prior_fade)
 
     def add(self, x: float, y: float) -> None:
-        self.data = self.data * self.decay + _moments(float(x), float(y), 1.0)
-        self.prior = self.prior * self.prior_fade
+        super().add([1.0, float(x)], y)
 
     @property
     def coef(self) -> tuple[float, float]:
-        n, sx, sxx, sy, sxy = (self.data + self.prior).tolist()
+        xx, xy = self.moments()
+        (n, sx), (_, sxx) = xx.tolist()
+        sy, sxy = xy.tolist()
         det = n * sxx - sx * sx
         b = (n * sxy - sx * sy) / det if det > 1e-12 else 0.0
-        b = max(b, 0.0)  # a cost never falls with more tokens
+        b = max(b, 0.0)
         return (sy - b * sx) / n, b
 
     def __call__(self, x: float) -> float:

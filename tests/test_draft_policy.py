@@ -9,6 +9,7 @@ import torch
 from angelspec_hf.modeling.draft_policy import (
     DraftLengthPolicy,
     LinearFit,
+    OnlineLeastSquares,
     PositionCalibrator,
     RoundCosts,
     load_or_profile_round_costs,
@@ -26,6 +27,27 @@ def test_linear_fit_moves_from_its_prior_to_the_data():
     assert a == pytest.approx(0.05, abs=2e-3) and b == pytest.approx(0.01, abs=5e-4)
     fit.add(1, -5.0)  # noise never makes a longer step cheaper than a shorter one
     assert fit.coef[1] >= 0
+
+
+def test_online_least_squares_starts_at_its_prior_and_follows_the_data_where_it_has_some():
+    """The batched engine's cost model: `a + b·rows + c·tokens` from a profile (the prior), then real steps, here all
+    at 8 requests (one batch size: the rows direction is known only from the prior, which never fades to nothing)."""
+    def prior(r, t):
+        return 0.08 + 0.001 * r + 0.003 * t
+
+    def truth(r, t):
+        return 0.12 + 0.002 * r + 0.004 * t
+
+    points = [(r, r * k) for r in (1, 2, 4, 8) for k in (1, 2, 4, 8)]
+    fit = OnlineLeastSquares([[1.0, r, t] for r, t in points], [prior(r, t) for r, t in points], prior_weight=8.0,
+                             decay=0.99, prior_fade=0.95, min_prior=0.05)
+    assert fit.coef == pytest.approx((0.08, 0.001, 0.003), rel=1e-9)
+    for i in range(300):
+        fit.add([1.0, 8.0, 8.0 + i % 9], truth(8, 8 + i % 9))
+    a, b, c = fit.coef
+    for t in (8, 12, 16):
+        assert a + 8 * b + c * t == pytest.approx(truth(8, t), rel=0.02)
+    assert fit.prior_scale == pytest.approx(0.05) and torch.isfinite(torch.tensor(fit.coef)).all()
 
 
 def test_position_calibrator_learns_per_position_and_confidence():

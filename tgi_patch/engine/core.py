@@ -48,6 +48,7 @@ class Proposal:
     lookup: torch.Tensor | None  # [B] bool: the row carries an n-gram lookup instead of the drafter's block
     num_drafted: torch.Tensor  # [B] valid draft tokens per row
     kind: str  # "draft" (the drafter ran), "lookup" (n-gram lookups only) or "plain" (nothing proposed)
+    draft_seconds: float = 0.0  # the drafting call's wall time
 
     @property
     def drafted(self) -> bool:
@@ -190,12 +191,14 @@ class SpeculativeEngine:
         n_pre = batch.num_prefill
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
         probs = conf = lookup = row_limit = None
-        kind = "plain"
+        kind, seconds = "plain", 0.0
         if batch.num_decode > 0:
             width = self.policy.draft_width(self.batch_drafter.num_draft_tokens) if self.batch_drafter else 0
             kind = self.policy.step_kind(batch.num_decode, len(batch), batch.base_tokens, width)
         if kind != "plain":
+            start = time.perf_counter()
             tokens, probs, conf, lookup, row_limit = self._draft(batch) if kind == "draft" else self._lookup_only(batch)
+            seconds = time.perf_counter() - start if kind == "draft" else 0.0
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
             probs = _pad_rows(probs, n_pre) if probs is not None else None
         num_drafted = (batch.remaining - 1).clamp(min=0, max=tokens.shape[1])
@@ -203,7 +206,7 @@ class SpeculativeEngine:
         if row_limit is not None:
             num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
             lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
-        return Proposal(tokens, probs, conf, lookup, num_drafted, kind)
+        return Proposal(tokens, probs, conf, lookup, num_drafted, kind, seconds)
 
     def _draft(self, batch: ScheduledBatch):
         """The decoding rows' proposals: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`,
@@ -271,7 +274,9 @@ class SpeculativeEngine:
         decode_tokens = int(verified.num_accepted[batch.num_prefill:].sum()) + batch.num_decode
         # the measured kind: what the step cost is what it did (a lookup step that verified nothing was plain)
         kind = True if proposal.drafted else (dcut.LOOKUP if trace.verified_tokens else False)
-        self.policy.observe_step(kind, batch.num_prefill, batch.num_decode, decode_tokens, seconds)
+        self.policy.observe_step(kind, batch.num_prefill, batch.num_decode, decode_tokens, seconds,
+                                 fed_tokens=batch.num_decode + trace.verified_tokens,
+                                 draft_seconds=proposal.draft_seconds)
 
     def _release(self, slot: int) -> None:
         """A request finished: free what its slot holds (the scheduler's callback)."""
