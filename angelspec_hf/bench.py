@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from angelspec_hf.cpu_kernels import add_linear_kernels_argument, stock_linears, use_linear_kernels
+from angelspec_hf.modeling.draft_policy import clock
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
 
@@ -67,14 +68,14 @@ class ForwardTimer:
     """Seconds spent inside the target's forward passes (verification, or the plain step)."""
 
     def __init__(self, model):
-        self.seconds, self._start = 0.0, None
+        self.seconds, self._start, self._device = 0.0, None, model.device
         self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
 
     def _pre(self, *args):
-        self._start = time.perf_counter()
+        self._start = clock(self._device)
 
     def _post(self, *args):
-        self.seconds += time.perf_counter() - self._start
+        self.seconds += clock(self._device) - self._start
 
     def close(self):
         for handle in self._handles:
@@ -132,10 +133,10 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                         torch.manual_seed(seed + index)
                         counter.count, timer.seconds = 0, 0.0
                         with stock_linears(target, method == "ar_stock"):
-                            start = time.perf_counter()
+                            start = clock(target.device)
                             out = target.generate(ids, max_new_tokens=max_new_tokens, **sampling,
                                                   **method_kwargs(method, drafters))
-                            seconds = time.perf_counter() - start
+                            seconds = clock(target.device) - start
                         new = out.shape[1] - ids.shape[1]
                         if method == "ar":
                             reference = out

@@ -12,7 +12,9 @@ from angelspec_hf.modeling.draft_policy import (
     OnlineLeastSquares,
     PositionCalibrator,
     RoundCosts,
+    clock,
     load_or_profile_round_costs,
+    profile_round_costs,
 )
 from helpers import tiny_drafter, tiny_target
 
@@ -255,6 +257,32 @@ def test_round_costs_are_profiled_once_and_cached(tmp_path):
     assert load_or_profile_round_costs(target, drafter, tmp_path).key == costs.key
 
 
+def test_the_clock_waits_for_the_device_it_times(monkeypatch):
+    """CUDA and other accelerators queue kernels: a timer read without waiting for them measures launches. `clock`
+    waits for the device it is given (CUDA's own call, else `torch.accelerator`), and for nothing on the CPU."""
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(("cuda", device)))
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waited.append(("accelerator", device)))
+    before = clock()
+    clock("cpu"), clock(torch.device("cpu")), clock(None)
+    assert waited == [] and clock() >= before
+    clock("cuda:1"), clock(torch.device("xpu", 0))
+    assert waited == [("cuda", torch.device("cuda:1")), ("accelerator", torch.device("xpu", 0))]
+
+
+def test_the_hook_profile_reads_its_timers_after_the_device_has_worked(monkeypatch):
+    """Every timed forward and drafting call of the profile is bracketed by `clock` on the model's own device."""
+    import angelspec_hf.modeling.draft_policy as draft_policy
+
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    seen = []
+    monkeypatch.setattr(draft_policy, "clock", lambda device=None: seen.append(device) or 0.0)
+    profile_round_costs(target, drafter, repeats=2)
+    # 2 warm-up calls and 2 × 2 repeats of each of the step and draft sizes, each read before and after
+    assert len(seen) == 2 * (2 + 2 * 2 * 2) and all(torch.device(d) == target.device for d in seen)
+
+
 def test_refined_costs_are_written_back_to_the_cache(tmp_path):
     """A profile taken while the machine was busy (4x too slow) heals: the policy writes its refined costs back every
     SAVE_EVERY timed rounds, and the next load reads them."""
@@ -309,6 +337,23 @@ def test_plain_rounds_are_lossless_and_lose_no_context(family):
     target.generate(context, max_new_tokens=2 + k, do_sample=False, assistant_model=drafter, eos_token_id=None,
                     pad_token_id=0)
     assert drafter.last_speculation_stats.drafts[0] == stats.drafts[0]
+
+
+def test_the_hook_times_its_drafting_after_the_device_has_worked(monkeypatch):
+    """A drafting round's time is read with `clock` on the drafter's device before and after the drafter runs (its
+    queued kernels finished), so the round's split into drafting and verification is not skewed on an accelerator."""
+    import angelspec_hf.modeling.candidate_generator as candidate_generator
+
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target, draft_length="auto")
+    drafter.draft_policy = lambda target, cache_dir=None: Scripted(drafter.num_draft_tokens, plain_rounds=(1, 2))
+    seen = []
+    monkeypatch.setattr(candidate_generator, "clock", lambda device=None: seen.append(device) or float(len(seen)))
+    target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                    eos_token_id=None, pad_token_id=0)
+    stats = drafter.last_speculation_stats
+    assert stats.plain_steps == 2 and len(seen) == 2 * len(stats.drafts) > 0
+    assert all(torch.device(d) == drafter.device for d in seen)
 
 
 def test_auto_draft_length_is_lossless_with_a_measured_policy(tmp_path, monkeypatch):

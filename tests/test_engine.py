@@ -228,6 +228,32 @@ def test_a_profiled_cost_model_is_refined_from_the_steps_timed(targets, tmp_path
     assert saved.verify(3, 3) < 1.0 and saved.samples == model.samples
 
 
+def test_the_engine_reads_its_timers_after_the_device_has_worked(targets, tmp_path, monkeypatch):
+    """Every timed region (a profiled forward or drafting call, a step, a step's drafting call) starts and ends with
+    `clock` on the engine's device, which waits for queued kernels on an accelerator (a no-op on this CPU)."""
+    from angelspec_hf.tgi_patch.engine import core, model_runner
+
+    target, _ = targets
+    drafter = tiny_drafter("dfly", target)
+    engine = SpeculativeEngine(target, drafter, verify="full", max_batch_size=2, cost_model=FIXED_COST)
+    seen = []
+
+    def clock(device=None):
+        seen.append(device)
+        return len(seen) * 1e-3
+
+    monkeypatch.setattr(model_runner, "clock", clock)
+    monkeypatch.setattr(core, "clock", clock)
+    profile = load_or_profile(engine.runner, tmp_path, rows=(1, 2), time_limit=5.0)
+    timed = sum(1 + ("draft" in sample) for sample in profile.samples)
+    assert len(seen) >= 2 * timed and all(d == engine.device for d in seen)
+    seen.clear()
+    generate_batch(target, drafter, [[5, 6, 7], [8, 9]], max_new_tokens=6, engine=engine)
+    drafted = engine.stats["speculative_steps"]
+    assert drafted > 0 and len(seen) == 2 * engine.stats["steps"] + 2 * drafted
+    assert all(d == engine.device for d in seen)
+
+
 def test_memory_follows_tokens_held(targets):
     target, _ = targets
     engine = SpeculativeEngine(target, None, verify=0, max_batch_size=8)

@@ -52,6 +52,19 @@ def hardware_key(model, drafter=None) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def clock(device=None) -> float:
+    """`time.perf_counter()` once the work already queued on `device` has run. CUDA and other accelerators run kernels
+    asynchronously, so a timer read right after a forward returns measures the launches, not the work, and a cost model
+    profiled that way is wrong by orders of magnitude; on the CPU (and for `None`) this is `perf_counter()` itself."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type not in ("cpu", "meta"):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
 def _prepacked(model) -> bool:
     return any(getattr(m, "packed_for_cpu", False) and getattr(m, "enabled", True) for m in model.modules())
 
@@ -201,9 +214,9 @@ def profile_round_costs(target, drafter, context: int = 64, repeats: int = 3) ->
     features = torch.cat([out.hidden_states[i] for i in layers], -1)
 
     def timed_step(n):
-        start = time.perf_counter()
+        start = clock(device)
         target(input_ids=ids[:, context : context + n], cache=cache, use_cache=True, output_hidden_states=layers)
-        seconds = time.perf_counter() - start
+        seconds = clock(device) - start
         cache.crop(-n)
         return seconds
 
@@ -213,10 +226,10 @@ def profile_round_costs(target, drafter, context: int = 64, repeats: int = 3) ->
         def select(logits, j):
             return logits.argmax(-1), logits.float(), None
 
-        start = time.perf_counter()
+        start = clock(drafter.device)
         drafter.propose(state, features.to(drafter.device), ids[:, : context + 1].to(drafter.device), n,
                         target.get_input_embeddings(), drafter.draft_lm_head(target.get_output_embeddings()), select)
-        return time.perf_counter() - start
+        return clock(drafter.device) - start
 
     timed_step(1), timed_draft(1)  # warm-up
     step = [statistics.median(timed_step(n) for _ in range(repeats)) for n in (1, k + 1)]

@@ -25,6 +25,8 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .draft_policy import clock
+
 BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, verify=...)"
 
 
@@ -169,7 +171,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         if self._pending:
             context = torch.cat(self._pending + [context], dim=1)
             self._pending, self._pending_length = [], 0
-        start = time.perf_counter()
+        start = clock(drafter_device)
         self._prefix = input_ids.to(drafter_device)
         draft_ids, draft_logits = self.drafter.propose(
             self.state,
@@ -181,7 +183,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             select=self._select,
             keep_going=self._keep_going,
         )
-        self._round.update(drafted=draft_ids.shape[1], draft_seconds=time.perf_counter() - start)
+        drafted_at = clock(drafter_device)  # the drafter's queued kernels have run: its time, not the target's
+        self._round.update(drafted=draft_ids.shape[1], draft_seconds=drafted_at - start)
         self.stats.draft_seconds += self._round["draft_seconds"]
         if num_tokens == 0:
             return input_ids, None
@@ -189,7 +192,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.stats.drafts.append(draft_ids[0].tolist())
         self.stats.draft_probs.append(self._round_probs)
         candidates = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
-        self._round["returned_at"] = time.perf_counter()
+        self._round["returned_at"] = drafted_at
         return candidates, draft_logits.to(input_ids.device)
 
     def _lookup(self, input_ids, num_tokens):

@@ -22,12 +22,12 @@ tensors: KV pool, the packed forward, drafting inputs, profiling), `dcut.py` (wh
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import torch
 
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
+from angelspec_hf.modeling.draft_policy import clock
 from angelspec_hf.prompts import chat_ids
 
 from . import dcut, verification
@@ -161,7 +161,7 @@ class SpeculativeEngine:
     # ---- one step ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
-        start = time.perf_counter()
+        start = clock(self.device)
         events = self.scheduler.drop_cancelled()
         self.scheduler.admit()
         batch = self.scheduler.schedule(self.device)
@@ -196,9 +196,9 @@ class SpeculativeEngine:
             width = self.policy.draft_width(self.batch_drafter.num_draft_tokens) if self.batch_drafter else 0
             kind = self.policy.step_kind(batch.num_decode, len(batch), batch.base_tokens, width)
         if kind != "plain":
-            start = time.perf_counter()
+            start = clock(self.device)
             tokens, probs, conf, lookup, row_limit = self._draft(batch) if kind == "draft" else self._lookup_only(batch)
-            seconds = time.perf_counter() - start if kind == "draft" else 0.0
+            seconds = clock(self.device) - start if kind == "draft" else 0.0
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
             probs = _pad_rows(probs, n_pre) if probs is not None else None
         num_drafted = (batch.remaining - 1).clamp(min=0, max=tokens.shape[1])
@@ -248,7 +248,7 @@ class SpeculativeEngine:
     def _record(self, trace: StepTrace, batch: ScheduledBatch, proposal: Proposal, depth,
                 verified: verification.Verified, events: list[TokenEvent], start: float) -> None:
         """The step's trace (`last_step`) and the running totals (`stats`)."""
-        seconds = time.perf_counter() - start
+        seconds = clock(self.device) - start
         trace.request_ids = [r.id for r in batch.requests]
         trace.draft_tokens = proposal.tokens.tolist()
         trace.verified, trace.accepted = depth.tolist(), verified.num_accepted.tolist()

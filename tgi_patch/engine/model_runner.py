@@ -9,10 +9,11 @@ It knows nothing of requests, sampling or D-Cut: the engine hands it slots, toke
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
+
+from angelspec_hf.modeling.draft_policy import clock
 
 from .drafting import BatchDrafter
 from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep
@@ -186,9 +187,9 @@ class ModelRunner:
         """Seconds of one target forward adding `count` random tokens to each of `slots`, and its (uncommitted) step."""
         step = RaggedStep.build(self.pool, slots, torch.full((len(slots),), count, device=self.device), packed=True)
         ids = torch.randint(3, vocab, (1, len(step.token_row)), device=self.device)
-        start = time.perf_counter()
+        start = clock(self.device)
         self._run_target(step, ids)
-        return time.perf_counter() - start, step
+        return clock(self.device) - start, step
 
     def _time_draft(self, slots, t: int, vocab: int, repeats: int) -> float:
         """Median seconds of one drafting call after `t` random features per slot (the drafter's KV left empty)."""
@@ -201,10 +202,11 @@ class ModelRunner:
             return token, None, conf
 
         def draft():
-            start = time.perf_counter()
+            start = clock(dev)
             self.batch_drafter.draft(slots, features, ids, torch.full((rows,), t, device=dev), ids[:, -1],
                                      self.batch_drafter.num_draft_tokens, select)
+            seconds = clock(dev) - start
             self.batch_drafter.pool.lengths[slots] = 0
-            return time.perf_counter() - start
+            return seconds
 
         return statistics.median(draft() for _ in range(repeats))
