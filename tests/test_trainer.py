@@ -201,6 +201,70 @@ def test_cached_features_match_online(setup, tmp_path):
     assert from_cache.item() == pytest.approx(online.item(), rel=1e-2)
 
 
+def test_bf16_autocast_trains_the_drafter_on_the_fp32_targets_states(setup, tmp_path):
+    """Under `--bf16` (CPU autocast) only the drafter runs in bf16: the online target states and the teacher's logits
+    are the fp32 target's, so an online step's loss equals the loss on states computed outside autocast."""
+    from angelspec_hf.trainer.features import target_states
+
+    target, tokenizer, _ = setup
+    args = make_args(tmp_path, "dfly", setup[2], max_steps=1, loss_kind="ce+kl")
+    drafter = make_drafter("dfly", target)
+    dataset = dataset_for(setup, args).select(range(4))
+    batch = DrafterCollator(tokenizer.pad_token_id)([dataset[i] for i in range(4)])
+    features, final = target_states(target, batch["input_ids"], batch["attention_mask"],
+                                    drafter.config.target_layer_ids, final=True)
+    trainer = DrafterTrainer(drafter, args, target, train_dataset=dataset,
+                             data_collator=DrafterCollator(tokenizer.pad_token_id))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        online = trainer.compute_loss(drafter, batch, num_items_in_batch=100)
+        given = trainer.compute_loss(drafter, batch | {"features": features, "final": final}, num_items_in_batch=100)
+    assert online.item() == given.item()
+    with torch.no_grad():
+        assert trainer.compute_loss(drafter, batch, num_items_in_batch=100).item() != online.item()  # bf16 did run
+
+
+def test_a_killed_feature_cache_keeps_its_finished_shards(setup, tmp_path, monkeypatch):
+    """The caching pass is written shard by shard: killed in its third shard, the rerun computes only what was not
+    written and gives what one uninterrupted pass gives; a folder holding another dataset's features is replaced."""
+    from angelspec_hf.trainer import features
+
+    target, _, _ = setup
+    args = make_args(tmp_path, "dfly", setup[2], max_steps=1)
+    layers = make_drafter("dfly", target).config.target_layer_ids
+    dataset = dataset_for(setup, args).select(range(10))
+    whole = features.cache_features(target, dataset, layers, tmp_path / "whole", batch_size=2, final=True)
+
+    real, rows_computed = features.target_states, []
+
+    def killed_in_third_shard(target, input_ids, *args):
+        if len(rows_computed) >= 8:  # shards 0 and 1 done
+            raise KeyboardInterrupt
+        rows_computed.extend([0] * len(input_ids))
+        return real(target, input_ids, *args)
+
+    monkeypatch.setattr(features, "target_states", killed_in_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        features.cache_features(target, dataset, layers, tmp_path / "run", batch_size=2, final=True, shard_size=4)
+    assert sorted(p.name for p in (tmp_path / "run").glob("shard-*")) == ["shard-00000", "shard-00001"]
+    (tmp_path / "run" / "shard-00002.tmp").mkdir()  # as if killed while saving the third shard
+    (tmp_path / "run" / "shard-00002.tmp" / "data-00000-of-00001.arrow").write_bytes(b"half a file")
+    rows_computed.clear()
+    monkeypatch.setattr(features, "target_states", lambda target, ids, *a: rows_computed.extend([0] * len(ids))
+                        or real(target, ids, *a))
+    resumed = features.cache_features(target, dataset, layers, tmp_path / "run", batch_size=2, final=True,
+                                      shard_size=4)
+    assert len(rows_computed) == 2 and len(resumed) == 10  # the last shard's 2 rows, nothing else
+    for i in range(10):
+        for column in ("input_ids", "features", "final"):
+            assert resumed[i][column] == whole[i][column]
+    rows_computed.clear()
+    assert len(features.cache_features(target, dataset, layers, tmp_path / "run", final=True, shard_size=4)) == 10
+    assert rows_computed == []  # complete: read, not recomputed
+    other = features.cache_features(target, dataset.select(range(3)), layers, tmp_path / "run", shard_size=4)
+    assert len(other) == 3 and len(rows_computed) == 3
+    assert sorted(p.name for p in (tmp_path / "run").glob("shard-*")) == ["shard-00000"]
+
+
 def test_measured_acceptance_is_the_drafters_own(setup):
     """The training callback's τ drafts whole blocks and verifies no n-gram lookups, even for a drafter configured to
     serve with them: a lookup-inflated τ once made a checkpoint look 50% better than the drafter it continued."""

@@ -54,6 +54,12 @@ class DrafterTrainingArguments(TrainingArguments):
                                             "computed once, stored as fp16 Arrow and memory-mapped."}
     )
     feature_cache_dir: str | None = field(default=None, metadata={"help": "Where 'cached' features go."})
+    dataset_seed: int | None = field(
+        default=None, metadata={"help": "Shuffles the regenerated files before max_train_samples cuts them and numbers "
+                                        "the examples (default: seed). Cached features belong to one such order: "
+                                        "runs with different seeds share one cache by fixing this (the batches and "
+                                        "anchors still follow seed)."}
+    )
     train_sets: list[str] | None = field(
         default=None, metadata={"help": f"TRAIN sets to mix (of {sorted(TRAIN_SETS)}); default: the family's recipe."}
     )

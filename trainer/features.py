@@ -24,27 +24,50 @@ def target_features(target, input_ids, attention_mask, layer_ids) -> torch.Tenso
     return target_states(target, input_ids, attention_mask, layer_ids)[0]
 
 
-def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, final: bool = False):
+def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, final: bool = False,
+                   shard_size: int = 512):
     """Add an fp16 `features` column (one `[T, H * len(layer_ids)]` array per example; with `final`, a `final` column
     of the target's last normed hidden states too, for distillation) and save to `folder`; returns the dataset
-    re-opened from disk (memory-mapped). A folder already holding the same columns for the same examples and layers
-    (e.g. written by the DFlash run for the DFly run on identical data) is reused, not recomputed."""
+    re-opened from disk (memory-mapped).
+
+    The pass is written in shards of `shard_size` examples, each saved under a temporary name and renamed when whole,
+    so a killed run loses at most the shard in progress: run again with the same data and layers, it keeps the shards
+    done and computes the rest (over the 8.5k code + math sequences of `data/regenerated/` the pass takes about an hour
+    on 2 CPU threads). A folder already holding the same columns for the same examples and layers (e.g. written by the
+    DFlash run for the DFly run on identical data) is reused, not recomputed; one left by other data is replaced."""
+    import hashlib
     import json
+    import shutil
+    import sys
+    import time
     from pathlib import Path
 
-    from datasets import load_from_disk
+    from datasets import concatenate_datasets, load_from_disk
 
-    import hashlib
+    from .dataset import DrafterCollator
 
+    folder = Path(folder)
     digest = hashlib.sha256(json.dumps([list(ids) for ids in dataset["input_ids"]]).encode()).hexdigest()
     key = {"layer_ids": list(layer_ids), "input_ids_sha256": digest, "num_rows": len(dataset)}
     if final:
         key["final"] = True
-    stamp = Path(folder) / "angelspec_features.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == key:
-        return load_from_disk(str(folder))
+    stamp, partial = folder / "angelspec_features.json", folder / "angelspec_features.partial.json"
+    done = json.loads(stamp.read_text()) if stamp.is_file() else None
+    if done is not None and {k: v for k, v in done.items() if k != "shards"} == key:
+        if "shards" not in done:  # written whole, before shards
+            return load_from_disk(str(folder))
+        return concatenate_datasets([load_from_disk(str(folder / name)) for name in done["shards"]])
 
-    from .dataset import DrafterCollator
+    progress = key | {"shard_size": shard_size}
+    if not (partial.is_file() and json.loads(partial.read_text()) == progress):  # nothing of this pass here yet
+        if folder.is_dir():
+            for old in [stamp, *folder.glob("shard-*"), *folder.glob("*.arrow"), folder / "dataset_info.json",
+                        folder / "state.json"]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(progress))
+    for leftover in folder.glob("shard-*.tmp"):  # a shard a killed run was writing
+        shutil.rmtree(leftover)
 
     collate = DrafterCollator(pad_token_id=0)
 
@@ -56,6 +79,18 @@ def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, fina
         return {name: [v[: len(e["input_ids"])].numpy() for v, e in zip(values, examples)]
                 for name, values in columns.items()}
 
-    dataset.map(add_features, batched=True, batch_size=batch_size).save_to_disk(str(folder))
-    stamp.write_text(json.dumps(key))
-    return load_from_disk(str(folder))
+    starts = range(0, len(dataset), shard_size)
+    names = [f"shard-{i // shard_size:05d}" for i in starts]
+    for i, name in zip(starts, names):
+        if (folder / name).is_dir():
+            continue
+        began = time.perf_counter()
+        shard = dataset.select(range(i, min(i + shard_size, len(dataset))))
+        shard.map(add_features, batched=True, batch_size=batch_size, desc=f"target features, {name}").save_to_disk(
+            str(folder / f"{name}.tmp"))
+        (folder / f"{name}.tmp").rename(folder / name)
+        print(f"target features: {name} of {len(names)} (rows {i}–{i + len(shard) - 1}) written in "
+              f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    stamp.write_text(json.dumps(key | {"shards": names}))
+    partial.unlink()
+    return concatenate_datasets([load_from_disk(str(folder / name)) for name in names])

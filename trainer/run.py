@@ -115,10 +115,11 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     set_seed(args.seed)  # a fresh drafter's initial weights are part of the run's reproducibility
     drafter = build_drafter(margs, args, target)
     dataset = load_regenerated(tokenizer, args.regenerated_dir, args.train_sets, args.max_seq_length,
-                               args.max_train_samples, args.seed)
-    if args.feature_mode == "cached":
-        dataset = cache_features(target, dataset, drafter.config.target_layer_ids, args.feature_cache_dir,
-                                 final="kl" in args.loss_kind)
+                               args.max_train_samples, args.seed if args.dataset_seed is None else args.dataset_seed)
+    if args.feature_mode == "cached":  # the main process writes them (resumably); the others then read them
+        with args.main_process_first(local=False, desc="target features"):
+            dataset = cache_features(target, dataset, drafter.config.target_layer_ids, args.feature_cache_dir,
+                                     final="kl" in args.loss_kind)
     trainer = DrafterTrainer(drafter, args, target, train_dataset=dataset,
                              data_collator=DrafterCollator(tokenizer.pad_token_id))
     trainer.base_model_id = margs.target or EMBEDDED_TARGET_ID

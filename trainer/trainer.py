@@ -120,7 +120,7 @@ class DrafterTrainer(Trainer):
                 raise ValueError("distillation needs the target's final hidden states (cached features lack them: "
                                  "recompute the cache with this loss_kind)")
             hidden = final[teacher_rows[:, 0], teacher_rows[:, 1]]
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
                 teacher = head(hidden.to(head.weight.dtype))
         return labels, teacher
 
@@ -133,9 +133,11 @@ class DrafterTrainer(Trainer):
         if num_items_in_batch is None:  # evaluation: normalise by this batch's own supervised tokens
             num_items_in_batch = inputs["labels"].ne(-100).sum()
         features, final = inputs.get("features"), inputs.get("final")
-        if features is None:
-            features, final = target_states(self.target, inputs["input_ids"], inputs["attention_mask"],
-                                            self._drafter.config.target_layer_ids, final="kl" in self.args.loss_kind)
+        if features is None:  # the frozen target in its own precision, as it runs at inference, even under --bf16
+            with torch.autocast(inputs["input_ids"].device.type, enabled=False):
+                features, final = target_states(self.target, inputs["input_ids"], inputs["attention_mask"],
+                                                self._drafter.config.target_layer_ids,
+                                                final="kl" in self.args.loss_kind)
         features = features.to(self._drafter.dtype)
         if self.args.drafter_type == "mtp":
             loss = self._mtp_loss(model, inputs, features, final, num_items_in_batch)
