@@ -232,7 +232,8 @@ def test_a_killed_feature_cache_keeps_its_finished_shards(setup, tmp_path, monke
     args = make_args(tmp_path, "dfly", setup[2], max_steps=1)
     layers = make_drafter("dfly", target).config.target_layer_ids
     dataset = dataset_for(setup, args).select(range(10))
-    whole = features.cache_features(target, dataset, layers, tmp_path / "whole", batch_size=2, final=True)
+    whole = features.cache_features(target, dataset, layers, tmp_path / "whole", batch_size=2, final=True,
+                                    shard_size=4)
 
     real, rows_computed = features.target_states, []
 
