@@ -94,6 +94,28 @@ def test_prepacked_models_get_their_own_cost_profiles():
     assert len({stock_key, packed_key, hardware_key(target, drafter)}) == 3
 
 
+def test_a_pruned_draft_head_of_a_prepacked_target_is_prepacked_too():
+    """The pruned draft head gathers rows of the target's head: when that head is prepacked, so are the rows (same
+    logits to rounding, -inf outside the subset), and a stock head gets a stock pruned head."""
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    drafter.set_draft_vocab(list(range(3, 60, 2)))
+    stock_head = drafter.draft_lm_head(target.lm_head)
+    prepack_linears(target)
+    head = drafter.draft_lm_head(target.lm_head)
+    assert head is not stock_head and head.pack and not stock_head.pack
+    hidden = torch.randn(3, 2, target.config.hidden_size)
+    with torch.no_grad():
+        packed, ref = head(hidden), stock_head(hidden)
+    assert head.packed is not None  # the oneDNN path ran
+    kept = drafter.draft_vocab_ids
+    assert torch.isneginf(packed[..., [i for i in range(packed.shape[-1]) if i not in kept.tolist()]]).all()
+    torch.testing.assert_close(packed[..., kept], ref[..., kept], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(copy.deepcopy(head)(hidden), packed, atol=0, rtol=0)  # copies pack again
+    with stock_linears(target):
+        assert not drafter.draft_lm_head(target.lm_head).pack
+
+
 @pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
 def test_speculation_on_a_prepacked_target_is_lossless(family):
     """Target and drafter prepacked: greedy speculative output equals the prepacked target's own greedy output, through

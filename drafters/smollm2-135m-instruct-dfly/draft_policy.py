@@ -49,6 +49,8 @@ def hardware_key(model, drafter=None) -> str:
     packed = [m for m in (model, drafter) if m is not None and _prepacked(m)]
     if packed:  # only then, so the keys of stock models (and their cached files) stay as they were
         parts.append("prepacked:" + ",".join("target" if m is model else "drafter" for m in packed))
+        if drafter is not None and model in packed and getattr(drafter.config, "draft_vocab_size", None):
+            parts.append("pruned draft head prepacked")  # drafting got cheaper: costs measured before do not apply
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
