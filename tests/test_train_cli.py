@@ -71,6 +71,22 @@ def test_killed_run_resumes_from_last_checkpoint(tiny, tmp_path):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4)
 
 
+def test_rounds_with_other_seeds_share_one_feature_cache(tiny, tmp_path):
+    """`--feature_mode cached` writes the target's states once; a later round with another `--seed` (and `--bf16`)
+    reads the same cache when `--dataset_seed` fixes the data order, and recomputes nothing."""
+    cache = tmp_path / "features"
+    common = ["--max_steps", "2", "--save_strategy", "no", "--feature_mode", "cached", "--feature_cache_dir",
+              str(cache), "--dataset_seed", "0", "--loss_kind", "ce+kl"]
+    train_main(cli_args(tiny, tmp_path / "round1", *common))
+    written = {p.name: p.stat().st_mtime_ns for p in cache.rglob("*")}
+    assert (cache / "angelspec_features.json").is_file() and any(name.startswith("shard-") for name in written)
+    args = cli_args(tiny, tmp_path / "round2", *common, "--bf16", "true")
+    args[args.index("--seed") + 1] = "1"
+    train_main(args)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.rglob("*")} == written
+    assert logged_losses(tmp_path / "round2")
+
+
 def test_output_is_what_a_push_uploads(tiny, tmp_path):
     out = tmp_path / "run"
     train_main(cli_args(tiny, out, "--max_steps", "2", "--save_strategy", "no", "--eval_prompts", "1",
