@@ -15,7 +15,7 @@
 # grows the drafter with new layers that start as identities, see `DFlashDrafter.grow_layers`).
 # FEATURES=<folder> trains on cached target features (`--feature_mode cached`, one folder per family under it, the
 # data order fixed with --dataset_seed 0 so every round's seed reads the same cache): one pass over the 8.5k code +
-# math sequences (about 12 GB, resumable shard by shard) costs about an epoch of online steps, then a step costs 1.6 s
+# math sequences (12 GB, resumable shard by shard) took about 70 min on 2 threads, then a step costs 1.6 s
 # instead of 4.1 s on 2 threads (`benchmarks/feature_modes.py` with this recipe). BF16=1 trains the drafter under
 # bf16 autocast (`--bf16 true`; the target's states and the teacher's logits stay fp32): a cached step 1.7 s instead of
 # 2.6 s in the same benchmark run. Rounds 1-5 ran without both. THREADS (default 1) per run.

@@ -32,8 +32,8 @@ def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, fina
 
     The pass is written in shards of `shard_size` examples, each saved under a temporary name and renamed when whole,
     so a killed run loses at most the shard in progress: run again with the same data and layers, it keeps the shards
-    done and computes the rest (over the 8.5k code + math sequences of `data/regenerated/` the pass takes about an hour
-    on 2 CPU threads). A folder already holding the same columns for the same examples and layers (e.g. written by the
+    done and computes the rest (the 8,496 code + math sequences of `data/regenerated/`, cut at 384 tokens, took
+    17 shards of about 4.3 min each on 2 CPU threads, 12 GB with distillation's final states). A folder already holding the same columns for the same examples and layers (e.g. written by the
     DFlash run for the DFly run on identical data) is reused, not recomputed; one left by other data is replaced."""
     import hashlib
     import json
