@@ -17,7 +17,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 from .candidate_generator import AngelSpecCandidateGenerator, install_generate_hook
-from .draft_policy import DraftLengthPolicy, hardware_key, load_or_profile_round_costs
+from .draft_policy import DraftLengthPolicy, hardware_key, load_or_profile_round_costs, packed_linear
 
 
 @dataclass
@@ -72,12 +72,6 @@ class PrunedLMHead(nn.Module):
             sub = nn.functional.linear(hidden, self.weight, self.bias)  # [..., V_draft]
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, sub)  # [..., V]
-
-
-def packed_linear(module: nn.Module) -> bool:
-    """Whether `module` is a linear layer reading oneDNN-prepacked weights (`angelspec_hf.cpu_kernels.PrepackedLinear`,
-    not imported here: an exported drafter folder carries no library code)."""
-    return bool(getattr(module, "packed_for_cpu", False) and getattr(module, "enabled", True))
 
 
 @dataclass

@@ -67,8 +67,14 @@ def clock(device=None) -> float:
     return time.perf_counter()
 
 
+def packed_linear(module) -> bool:
+    """Whether `module` is a linear layer reading oneDNN-prepacked weights (`angelspec_hf.cpu_kernels.PrepackedLinear`,
+    not imported here: an exported drafter folder carries no library code)."""
+    return bool(getattr(module, "packed_for_cpu", False) and getattr(module, "enabled", True))
+
+
 def _prepacked(model) -> bool:
-    return any(getattr(m, "packed_for_cpu", False) and getattr(m, "enabled", True) for m in model.modules())
+    return any(packed_linear(m) for m in model.modules())
 
 
 def default_cache_dir() -> Path:
