@@ -9,6 +9,7 @@ import torch
 from angelspec_hf.modeling.draft_policy import (
     DraftLengthPolicy,
     LinearFit,
+    MeasuredRates,
     OnlineLeastSquares,
     PositionCalibrator,
     RoundCosts,
@@ -129,6 +130,38 @@ def run_timed_rounds(policy, rounds=300, drafted_seconds=0.11):
         else:
             policy.observe(0, 0, None, None, round_seconds=0.05)
     return decisions
+
+
+def test_measured_rates_are_not_fooled_by_the_spread_of_drafted_rounds():
+    """A drafted round yields 1 to 8 tokens: here each position is accepted with probability 0.45 after the one
+    before, so drafted rounds deliver 1.29x plain on average (25.9 against 20 tok/s) but half of them 1 token in 0.07 s.
+    The measured rates must not call that a loss by chance, and must still catch a drafter that is never accepted
+    within a few rounds. The rule they replace (a moving average of per-round rates, smoothing 0.2) is the power
+    check: it calls the winner a loser in many rounds."""
+    import random
+
+    rng, rates = random.Random(0), MeasuredRates()
+    for _ in range(20):
+        rates.observe(False, 1, 1, 0.05)
+    losing, ema, ema_losing, estimates = 0, None, 0, []
+    for _ in range(2000):
+        tokens = 1
+        while tokens < 8 and rng.random() < 0.45:
+            tokens += 1
+        rates.observe(True, 1, tokens, 0.07)
+        losing += rates.loses(1)
+        estimates.append(rates.get(True, 1))
+        ema = tokens / 0.07 if ema is None else ema + 0.2 * (tokens / 0.07 - ema)
+        ema_losing += ema < 20
+    assert sum(estimates) / len(estimates) == pytest.approx(25.9, rel=0.05)  # the rate delivered, over a window
+    assert losing / 2000 < 0.02 and ema_losing / 2000 > 0.1, (losing, ema_losing)
+    hopeless = MeasuredRates()
+    hopeless.observe(False, 1, 1, 0.05)
+    found = []
+    for _ in range(5):
+        hopeless.observe(True, 1, 1, 0.055 + 0.002 * rng.random())
+        found.append(hopeless.loses(1))
+    assert found == [False] * (hopeless.min_steps - 1) + [True] * (6 - hopeless.min_steps)
 
 
 def test_policy_backs_off_when_drafted_rounds_deliver_less_than_plain_ones():

@@ -92,6 +92,9 @@ def test_measured_rates_back_off_when_speculation_delivers_less_than_plain():
     assert [policy.should_draft(16) for _ in range(8)] == [True, True, True, False] * 2  # plain measured 1 in 4
     policy.observe_step(True, 2, 16, decode_tokens=1, seconds=1.0)  # a step that also prefilled: not comparable
     policy.observe_step(False, 0, 16, decode_tokens=16, seconds=0.5)  # plain: 32 tok/s > speculative 20
+    assert all(policy.should_draft(16) for _ in range(10))  # one speculative step is not yet evidence
+    for _ in range(policy.measured.min_steps - 1):
+        policy.observe_step(True, 0, 16, decode_tokens=20, seconds=1.0)  # every one 20 tok/s: no spread
     assert [policy.should_draft(16) for _ in range(5)] == [False] * 4 + [True]  # backed off for probe_every steps
     assert [policy.should_draft(16) for _ in range(9)] == [False] * 8 + [True]  # still losing: twice as long
     assert policy.should_draft(1)  # another batch size is measured apart
