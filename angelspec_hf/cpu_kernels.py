@@ -31,7 +31,7 @@ from torch import nn
 __all__ = ["PrepackedLinear", "is_prepacked", "prepack_available", "prepack_linears", "stock_linears",
            "use_linear_kernels"]
 
-KERNELS = ("prepacked", "stock")
+KERNELS = ("auto", "prepacked", "stock")
 
 
 def prepack_available() -> bool:
@@ -115,16 +115,72 @@ def stock_linears(model: nn.Module, stock: bool = True):
             m.enabled = True
 
 
+@torch.no_grad()
+def time_forwards(model: nn.Module, tokens=(1, 8), context: int = 64, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one forward of `model` (a causal LM) adding each of `tokens` new tokens after a `context`-token
+    cache: a plain decode step (1) and a speculative verify (8)."""
+    import statistics
+    import time
+
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (1, context + max(tokens)), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True)
+
+    def once(k):
+        start = time.perf_counter()
+        model(input_ids=ids[:, context:context + k], cache=cache, use_cache=True)
+        seconds = time.perf_counter() - start
+        cache.crop(-k)
+        return seconds
+
+    once(1)  # warm-up
+    return {k: statistics.median(once(k) for _ in range(repeats)) for k in tokens}
+
+
+def choose_linear_kernels(target: nn.Module, *models) -> str:
+    """`--linear-kernels auto`: time `target`'s plain step and 8-token verify on both kernels (interleaved) and keep
+    the faster for the two together; `models` (drafters) follow the target's choice. Which is faster depends on the CPU:
+    prepacked weights made this project's AMD EPYC machine's steps 1.3x faster (63 -> 47 ms for 1 token, 85 -> 54 ms for
+    8), but an Intel Xeon machine's plain step 1.33x slower (41 -> 55 ms; 8 tokens 79 ms either way), so a fixed
+    default loses on one of them. Returns the line the commands print."""
+    modules = [m for m in (target, *models) if isinstance(m, nn.Module)]
+    if not prepack_linears(target) and not is_prepacked(target):
+        why = "no fp32 CPU linears" if prepack_available() else "this PyTorch has no oneDNN"
+        return f"stock ({why} to prepack)"
+    packed, stock = time_forwards(target), None
+    with stock_linears(target):
+        stock = time_forwards(target)
+    packed = {k: min(v, time_forwards(target)[k]) for k, v in packed.items()}  # second packed round: interleaved
+    timings = f"1 / 8 tokens: {stock[1] * 1e3:.0f} / {stock[8] * 1e3:.0f} ms stock, " \
+              f"{packed[1] * 1e3:.0f} / {packed[8] * 1e3:.0f} ms prepacked"
+    if sum(packed.values()) < sum(stock.values()):
+        return f"auto: {use_linear_kernels('prepacked', *modules)}, measured faster ({timings})"
+    for model in modules:
+        for m in model.modules():
+            if isinstance(m, PrepackedLinear):
+                m.enabled = False
+    return f"auto: stock (torch.nn.functional.linear), measured faster ({timings})"
+
+
 def use_linear_kernels(kind: str, *models) -> str:
-    """Apply `--linear-kernels` (`KERNELS`) to `models` (anything not an `nn.Module`, such as a router, is skipped);
-    returns the line the commands print and record."""
+    """Apply `--linear-kernels` (`KERNELS`) to `models` (anything not an `nn.Module`, such as a router, is skipped;
+    with "auto" the first is the target that is timed); returns the line the commands print and record."""
     if kind not in KERNELS:
         raise ValueError(f"linear kernels must be one of {KERNELS}, got {kind!r}")
+    if kind == "auto":
+        return choose_linear_kernels(*models)
     if kind == "stock":
         return "stock (torch.nn.functional.linear)"
     modules = [m for m in models if isinstance(m, nn.Module)]
     for model in modules:
         prepack_linears(model)
+        for m in model.modules():
+            if isinstance(m, PrepackedLinear):
+                m.enabled = True
     count = sum(isinstance(m, PrepackedLinear) for model in modules for m in model.modules())
     if count:
         return f"oneDNN prepacked ({count} linears)"
@@ -133,7 +189,8 @@ def use_linear_kernels(kind: str, *models) -> str:
 
 
 def add_linear_kernels_argument(parser) -> None:
-    parser.add_argument("--linear-kernels", choices=KERNELS, default="prepacked",
+    parser.add_argument("--linear-kernels", choices=KERNELS, default="auto",
                         help="prepacked: the target's and drafter's fp32 CPU linears read oneDNN-prepacked weights "
-                             "(a multi-token verify costs about one decode step; see angelspec_hf.cpu_kernels); "
-                             "stock: torch's F.linear")
+                             "(a multi-token verify costs about one decode step on some CPUs; see "
+                             "angelspec_hf.cpu_kernels); stock: torch's F.linear; auto: whichever of the two runs the "
+                             "target's plain step and 8-token verify faster on this machine, timed at start (~1 s)")

@@ -18,7 +18,8 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["What is 2 + 2?", "Write a haiku."]) + "\n")
     torch.manual_seed(0)
     code = main(["bench", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--prompts-per-set", "2",
-                 "--max-new-tokens", "12", "--temperatures", "0,1", "--threads", "1", "--out", str(tmp_path / "out")])
+                 "--max-new-tokens", "12", "--temperatures", "0,1", "--threads", "1", "--linear-kernels", "prepacked",
+                 "--out", str(tmp_path / "out")])
     assert code == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["method"], r["temperature"]): r for r in result["summary"]}
@@ -57,7 +58,7 @@ def test_a_drafter_named_by_folder_runs_like_a_shipped_one(tmp_path):
     prompts.write_text(json.dumps({"prompt": "What is 2 + 2?"}) + "\n")
     assert main(["bench", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--prompts-per-set", "1",
                  "--max-new-tokens", "6", "--temperatures", "0", "--threads", "1", "--methods", "ar,mine", "--drafters",
-                 f"mine={tmp_path / 'mine'}", "--out", str(tmp_path / "out")]) == 0
+                 f"mine={tmp_path / 'mine'}", "--linear-kernels", "prepacked", "--out", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     linears = sum(isinstance(m, torch.nn.Linear) for model in (target, tiny_drafter("dfly", target))
                   for m in model.modules())

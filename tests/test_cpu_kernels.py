@@ -76,8 +76,31 @@ def test_linear_kernels_choice():
     assert use_linear_kernels("prepacked", target, None, object()) == "oneDNN prepacked (29 linears)"
     assert use_linear_kernels("prepacked", target) == "oneDNN prepacked (29 linears)"  # already packed: said so
     assert use_linear_kernels("prepacked", tiny_target().to(torch.float16)) == "stock (no fp32 CPU linears to prepack)"
-    with pytest.raises(ValueError, match="prepacked"):
+    with pytest.raises(ValueError, match="auto"):
         use_linear_kernels("fast", target)
+
+
+@pytest.mark.skipif(not prepack_available(), reason="this PyTorch has no oneDNN")
+def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
+    """`--linear-kernels auto` times the target's plain step and 8-token verify on both kernels and keeps the faster;
+    the drafters follow. Timings are forced here (which one is faster depends on the CPU), then measured for real."""
+    from angelspec_hf import cpu_kernels
+
+    for packed_faster in (True, False):
+        def fake(model, tokens=(1, 8), **kwargs):
+            packed = is_prepacked(model)
+            return {k: 0.04 + (0.0 if packed == packed_faster else 0.02) for k in tokens}
+
+        monkeypatch.setattr(cpu_kernels, "time_forwards", fake)
+        target, drafter = tiny_target(), tiny_drafter("dfly", tiny_target())
+        line = use_linear_kernels("auto", target, drafter, None)
+        assert line.startswith("auto: oneDNN prepacked" if packed_faster else "auto: stock"), line
+        assert is_prepacked(target) == is_prepacked(drafter) == packed_faster
+    monkeypatch.undo()
+    target = tiny_target()
+    line = use_linear_kernels("auto", target)
+    assert ("prepacked (" in line) == is_prepacked(target) and "ms prepacked" in line, line
+    assert use_linear_kernels("prepacked", target).startswith("oneDNN prepacked") and is_prepacked(target)
 
 
 def test_prepacked_models_get_their_own_cost_profiles():

@@ -326,3 +326,35 @@ def test_pool_accounting_check_catches_leaks_and_double_frees():
     pool.lengths[1] = 9  # more tokens than its pages hold
     with pytest.raises(AssertionError, match="holds 9 tokens"):
         pool.check_accounting()
+
+
+def test_pending_features_follow_the_live_requests(targets):
+    """Steps that do not draft keep the target features the drafter will read, without copying the ones kept before
+    (one chunk per step); a finished or cancelled request's features are dropped, so memory follows the live
+    requests (at most twice their pending rows) and an idle engine holds none. Output stays plain greedy."""
+    from angelspec_hf.tgi_patch.engine.dcut import CostModel
+
+    target, twin = targets
+    drafter = _drafter("dfly", target)
+    never_pays = CostModel((0.01, 0.0, 0.001), (100.0, 0.0))  # a drafting call costs 100 s: plain but for probes
+    engine = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=3, lookup_tokens=0,
+                               cost_model=never_pays, measure_rates=False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 99) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
+    lengths = [rng.randrange(1, 20) for _ in prompts]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, stop_token_ids=())) for p, n in zip(prompts, lengths)]
+    outputs, steps, runner = {i: [] for i in ids}, 0, engine.runner
+    while engine.has_work():
+        if steps == 3:
+            engine.cancel(ids[1])
+        for event in engine.step():
+            outputs[event.request_id].extend(event.token_ids)
+        steps += 1
+        held = sum(len(chunk[0]) for chunk in runner._pending)
+        live = int(runner._live.sum())
+        assert live == len(runner._pending_rows()[0]) and held <= 2 * live, (held, live)
+    assert engine.totals["speculative_steps"] <= 2 and steps > 10  # mostly plain (the back-off's probes draft)
+    assert sum(len(chunk[0]) for chunk in runner._pending) == 0  # idle: nothing kept
+    for rid, prompt, n in zip(ids, prompts, lengths):
+        if rid != ids[1]:
+            assert outputs[rid] == plain_greedy(twin, prompt, n)

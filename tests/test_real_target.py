@@ -98,8 +98,8 @@ def test_batched_engine_is_lossless_on_real_prompts(real, family, verify):
 
 
 def test_prepacked_real_target_with_the_shipped_dfly_is_lossless(real):
-    """`--linear-kernels prepacked` (the CLI's default): the real target and the shipped DFly on oneDNN-prepacked
-    weights. Speculative output equals the prepacked target's own greedy output on all ten prompts, through the
+    """`--linear-kernels prepacked` (what `auto` picks where it is faster): the real target and the shipped DFly on
+    oneDNN-prepacked weights. Speculative output equals the prepacked target's own greedy output on all ten prompts, through the
     `generate()` hook (whole blocks) and the batched engine."""
     import copy
 

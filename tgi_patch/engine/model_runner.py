@@ -53,20 +53,37 @@ class ModelRunner:
         self.batch_drafter = BatchDrafter(drafter, target, max_batch_size) if drafter is not None else None
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         self.anchor = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
-        # target features of accepted tokens the drafter has not ingested yet (packed, with owner slot and position)
-        feat_dim = target.config.hidden_size * len(self.layer_ids)
-        self.pending_feat = torch.zeros(0, feat_dim, dtype=target.dtype, device=self.device)
-        self.pending_slot = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.pending_next = torch.zeros(0, dtype=torch.long, device=self.device)
+        # Target features of accepted tokens the drafter has not ingested yet: one chunk per step, each row with its
+        # owner slot, the token after it and the owner's epoch when it was kept (bumped when the slot is released, so a
+        # released slot's rows are dropped without copying the rest). Joined only when the drafter reads them: joined
+        # every step (as before), steps without drafting copied every pending feature each time, quadratic in the
+        # steps since the last drafting call (at 32 requests of 100-250-token prompts about 60 MB a step: 32 x 200
+        # tokens x 2,304 fp32 features).
+        self.feat_dim = target.config.hidden_size * len(self.layer_ids)
+        self._pending: list[tuple[torch.Tensor, ...]] = []  # (feat [n, F], slot [n], next [n], epoch [n])
+        self._epoch = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        self._live = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # pending rows per slot
+        self._dead = 0  # pending rows of released slots, dropped when the chunks are next joined
 
     def release(self, slot: int) -> None:
         """Free everything `slot` holds: its KV pages, its drafter state and its pending features."""
         self.pool.release(slot)
         if self.batch_drafter is not None:
             self.batch_drafter.release(slot)
-            keep = self.pending_slot != slot
-            self.pending_feat, self.pending_slot = self.pending_feat[keep], self.pending_slot[keep]
-            self.pending_next = self.pending_next[keep]
+            self._dead += int(self._live[slot])
+            self._live[slot] = 0
+            self._epoch[slot] += 1
+            if self._dead > int(self._live.sum()):  # so memory follows the live requests' pending rows
+                self._pending, self._dead = [self._pending_rows()], 0
+
+    def _pending_rows(self) -> tuple[torch.Tensor, ...]:
+        """The pending rows of live slots, oldest first, as one chunk `(feat, slot, next, epoch)`."""
+        if not self._pending:
+            long = torch.zeros(0, dtype=torch.long, device=self.device)
+            return torch.zeros(0, self.feat_dim, dtype=self.target.dtype, device=self.device), long, long, long
+        feat, slot, after, epoch = (torch.cat(parts) for parts in zip(*self._pending))
+        live = epoch == self._epoch[slot]
+        return feat[live], slot[live], after[live], epoch[live]
 
     # ---- drafting ----------------------------------------------------------------------------------------------------
     def draft(self, slots, k, select, keep_going=None):
@@ -76,19 +93,20 @@ class ModelRunner:
         dev = self.device
         row_of_slot = torch.full((self.max_batch_size,), -1, dtype=torch.long, device=dev)
         row_of_slot[slots] = torch.arange(len(slots), device=dev)
-        rows = row_of_slot[self.pending_slot]
+        pending_feat, pending_slot, pending_next, _ = self._pending_rows()
+        rows = row_of_slot[pending_slot]
         order = torch.sort(rows, stable=True).indices
         order = order[rows[order] >= 0]  # by request, oldest first
         rows = rows[order]
         new = torch.bincount(rows, minlength=len(slots))
         cols = torch.arange(len(rows), device=dev) - (new.cumsum(0) - new)[rows]
         n_max = int(new.max())
-        features = self.pending_feat.new_zeros(len(slots), n_max, self.pending_feat.shape[1])
-        features[rows, cols] = self.pending_feat[order]
+        features = pending_feat.new_zeros(len(slots), n_max, self.feat_dim)
+        features[rows, cols] = pending_feat[order]
         next_ids = torch.zeros(len(slots), n_max, dtype=torch.long, device=dev)
-        next_ids[rows, cols] = self.pending_next[order]
-        self.pending_feat = self.pending_feat[:0]
-        self.pending_slot, self.pending_next = self.pending_slot[:0], self.pending_next[:0]
+        next_ids[rows, cols] = pending_next[order]
+        self._pending, self._dead = [], 0
+        self._live.zero_()
         anchors = self.anchor[slots]
         return self.batch_drafter.draft(slots, features, next_ids, new, anchors, k, select, keep_going)
 
@@ -155,9 +173,9 @@ class ModelRunner:
         after = torch.cat([fed[:, 1:], fed.new_zeros(len(fed), 1)], 1)
         last = cols == kept[rows] - 1
         next_ids = torch.where(last, emitted[rows, num_accepted[rows]], after[rows, cols])
-        self.pending_feat = torch.cat([self.pending_feat, feats.to(self.pending_feat.dtype)])
-        self.pending_slot = torch.cat([self.pending_slot, slots[rows]])
-        self.pending_next = torch.cat([self.pending_next, next_ids])
+        owners = slots[rows]
+        self._pending.append((feats.to(self.target.dtype), owners, next_ids, self._epoch[owners]))
+        self._live.index_add_(0, owners, torch.ones_like(owners))
 
     # ---- profiling ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -194,7 +212,7 @@ class ModelRunner:
     def _time_draft(self, slots, t: int, vocab: int, repeats: int) -> float:
         """Median seconds of one drafting call after `t` random features per slot (the drafter's KV left empty)."""
         rows, dev = len(slots), self.device
-        features = torch.randn(rows, t, self.pending_feat.shape[1], dtype=self.target.dtype, device=dev)
+        features = torch.randn(rows, t, self.feat_dim, dtype=self.target.dtype, device=dev)
         ids = torch.randint(3, vocab, (rows, t), device=dev)
 
         def select(logits, j):
