@@ -148,9 +148,13 @@ def choose_linear_kernels(target: nn.Module, *models) -> str:
     8), but an Intel Xeon machine's plain step 1.33x slower (41 -> 55 ms; 8 tokens 79 ms either way), so a fixed
     default loses on one of them. Returns the line the commands print."""
     modules = [m for m in (target, *models) if isinstance(m, nn.Module)]
-    if not prepack_linears(target) and not is_prepacked(target):
+    prepack_linears(target)
+    packed_modules = [m for m in target.modules() if isinstance(m, PrepackedLinear)]
+    if not packed_modules:
         why = "no fp32 CPU linears" if prepack_available() else "this PyTorch has no oneDNN"
         return f"stock ({why} to prepack)"
+    for m in packed_modules:  # an earlier choice may have switched them off
+        m.enabled = True
     packed, stock = time_forwards(target), None
     with stock_linears(target):
         stock = time_forwards(target)

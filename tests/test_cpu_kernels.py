@@ -96,6 +96,7 @@ def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
         line = use_linear_kernels("auto", target, drafter, None)
         assert line.startswith("auto: oneDNN prepacked" if packed_faster else "auto: stock"), line
         assert is_prepacked(target) == is_prepacked(drafter) == packed_faster
+        assert use_linear_kernels("auto", target, drafter) == line  # asked again, whatever it chose before
     monkeypatch.undo()
     target = tiny_target()
     line = use_linear_kernels("auto", target)
