@@ -97,6 +97,14 @@ def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
         assert line.startswith("auto: oneDNN prepacked" if packed_faster else "auto: stock"), line
         assert is_prepacked(target) == is_prepacked(drafter) == packed_faster
         assert use_linear_kernels("auto", target, drafter) == line  # asked again, whatever it chose before
+    target = tiny_target()
+    use_linear_kernels("prepacked", target)
+    with torch.no_grad():
+        target(torch.tensor([[3, 4, 5]]))
+    assert all(m._packed is not None for m in target.modules() if isinstance(m, PrepackedLinear))  # copies made
+    line = use_linear_kernels("auto", target)  # forced: stock is faster
+    packed = [m for m in target.modules() if isinstance(m, PrepackedLinear)]
+    assert line.startswith("auto: stock") and all(not m.enabled and m._packed is None for m in packed)  # memory back
     monkeypatch.undo()
     target = tiny_target()
     line = use_linear_kernels("auto", target)
