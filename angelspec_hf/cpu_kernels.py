@@ -153,8 +153,7 @@ def choose_linear_kernels(target: nn.Module, *models) -> str:
     if not packed_modules:
         why = "no fp32 CPU linears" if prepack_available() else "this PyTorch has no oneDNN"
         return f"stock ({why} to prepack)"
-    for m in packed_modules:  # an earlier choice may have switched them off
-        m.enabled = True
+    _switch_packed([target], True)  # an earlier choice may have switched them off
     packed, stock = time_forwards(target), None
     with stock_linears(target):
         stock = time_forwards(target)
@@ -163,11 +162,18 @@ def choose_linear_kernels(target: nn.Module, *models) -> str:
               f"{packed[1] * 1e3:.0f} / {packed[8] * 1e3:.0f} ms prepacked"
     if sum(packed.values()) < sum(stock.values()):
         return f"auto: {use_linear_kernels('prepacked', *modules)}, measured faster ({timings})"
-    for model in modules:
-        for m in model.modules():
-            if isinstance(m, PrepackedLinear):  # stock from now on: the packed copies' memory (+540 MB) is given back
-                m.enabled, m._packed, m._packed_of = False, None, None
+    _switch_packed(modules, False)  # stock from now on: the packed copies' memory (+540 MB) is given back
     return f"auto: stock (torch.nn.functional.linear), measured faster ({timings})"
+
+
+def _switch_packed(models, enabled: bool) -> None:
+    """Turn every `PrepackedLinear` of `models` on, or off for good (its packed copy freed; packed again if re-enabled)."""
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, PrepackedLinear):
+                m.enabled = enabled
+                if not enabled:
+                    m._packed, m._packed_of = None, None
 
 
 def use_linear_kernels(kind: str, *models) -> str:
@@ -182,9 +188,7 @@ def use_linear_kernels(kind: str, *models) -> str:
     modules = [m for m in models if isinstance(m, nn.Module)]
     for model in modules:
         prepack_linears(model)
-        for m in model.modules():
-            if isinstance(m, PrepackedLinear):
-                m.enabled = True
+    _switch_packed(modules, True)
     count = sum(isinstance(m, PrepackedLinear) for model in modules for m in model.modules())
     if count:
         return f"oneDNN prepacked ({count} linears)"
