@@ -137,7 +137,8 @@ def cmd_serve(args) -> int:
                   "target's own, but expect a slow-down (the cost model falls back to plain steps).")
     else:
         drafter = drafter_for_target(args.drafter, target)
-    print(f"linear kernels: {use_linear_kernels(args.linear_kernels, target, drafter)}")
+    kernels = use_linear_kernels(args.linear_kernels, target, drafter)
+    print(f"linear kernels: {kernels}")
     if args.verify == "auto":
         print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)
     engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size)
@@ -149,7 +150,7 @@ def cmd_serve(args) -> int:
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
         max_payload_bytes=args.payload_limit, max_client_batch_size=args.max_client_batch_size,
         info_extra={"angelspec": {"drafter": args.drafter, "drafter_trained": trained, "verify": args.verify,
-                                  "max_batch_size": args.max_batch_size, "linear_kernels": args.linear_kernels}},
+                                  "max_batch_size": args.max_batch_size, "linear_kernels": kernels}},
     )
     serve(app, host=args.host, port=args.port)
     return 0

@@ -272,6 +272,19 @@ def load_or_profile_round_costs(target, drafter, cache_dir=None) -> RoundCosts:
     return costs
 
 
+def _rate(sums) -> float:
+    """Tokens per second of `MeasuredRates`' weighted sums."""
+    return sums[0] / sums[1]
+
+
+def _spread(sums) -> float:
+    """The standard error of `_rate(sums)` (the delta method for a ratio of weighted sums)."""
+    tokens, seconds, tt, ts, ss, _ = sums
+    rate = tokens / seconds
+    residual = max(tt - 2 * rate * ts + rate * rate * ss, 0.0)  # Σw²(t - rate·s)²
+    return residual ** 0.5 / seconds
+
+
 class MeasuredRates:
     """Decode tokens per second that plain and speculative steps (or `generate()` rounds) have actually delivered, per
     batch size (rows decoding, in power-of-two buckets; the hook is batch 1), over steps without prefill. The cost model
@@ -319,31 +332,27 @@ class MeasuredRates:
 
     def get(self, kind, n_dec: int) -> float | None:
         sums = self._sums.get((kind, self.bucket(n_dec)))
-        return None if sums is None else sums[0] / sums[1]
+        return None if sums is None else _rate(sums)
 
     def spread(self, kind, n_dec: int) -> float | None:
         """The standard error of `get(kind, n_dec)` (the delta method for a ratio of weighted sums)."""
         sums = self._sums.get((kind, self.bucket(n_dec)))
-        if sums is None:
-            return None
-        tokens, seconds, tt, ts, ss, _ = sums
-        rate = tokens / seconds
-        residual = max(tt - 2 * rate * ts + rate * rate * ss, 0.0)  # Σw²(t - rate·s)²
-        return residual ** 0.5 / seconds
+        return None if sums is None else _spread(sums)
 
     def forget(self, kind) -> None:
         """Drop the rates of one kind of step, at every batch size."""
         self._sums = {key: sums for key, sums in self._sums.items() if key[0] != kind}
 
-    def loses(self, n_dec: int, kind=True) -> bool:
+    def loses(self, n_dec: int, kind=True, against=PLAIN) -> bool:
         """Have steps of `kind` (drafted ones by default) at this batch size delivered fewer tokens per second than
-        plain ones, by more than `z` standard errors of the difference, over at least `min_steps` steps?"""
+        steps of kind `against` (plain ones by default), by more than `z` standard errors of the difference, over at
+        least `min_steps` steps?"""
         spec = self._sums.get((kind, self.bucket(n_dec)))
-        plain = self.get(self.PLAIN, n_dec)
-        if spec is None or plain is None or spec[5] < self.min_steps:
+        other = self._sums.get((against, self.bucket(n_dec)))
+        if spec is None or other is None or spec[5] < self.min_steps:
             return False
-        gap = plain - self.get(kind, n_dec)
-        return gap > 0 and gap > self.z * (self.spread(kind, n_dec) ** 2 + self.spread(self.PLAIN, n_dec) ** 2) ** 0.5
+        gap = _rate(other) - _rate(spec)
+        return gap > 0 and gap > self.z * (_spread(spec) ** 2 + _spread(other) ** 2) ** 0.5
 
     def plain_due(self, n_dec: int, every: int) -> bool:
         """While other steps at this batch size have been measured and plain ones not: True once in `every` calls, for

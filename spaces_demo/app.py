@@ -30,6 +30,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 import angelspec_hf  # noqa: E402
+from angelspec_hf.cpu_kernels import use_linear_kernels  # noqa: E402
 from angelspec_hf.prompts import chat_input_ids  # noqa: E402
 from angelspec_hf.router import DrafterRouter  # noqa: E402
 from angelspec_hf.shipped import (  # noqa: E402
@@ -142,7 +143,7 @@ class DemoModels:
 
     def __init__(self, target=None, tokenizer=None, warmup: bool = True):
         self.target, self.tokenizer, self.warmup = target, tokenizer, warmup
-        self.drafters, self.trained, self.router = {}, {}, None
+        self.drafters, self.trained, self.router, self.kernels = {}, {}, None, None
         self._untrained = {}  # (family, block size) → untrained drafter built for that block size
         self.sources = {}  # family → where its drafter came from, or why it is untrained
         self.engines = {}  # (family, verify) → batched engine (the batch tab)
@@ -160,11 +161,12 @@ class DemoModels:
         try:
             if self.target is None:
                 self.target, self.tokenizer = angelspec_hf.load_default_target()
-            angelspec_hf.prepack_linears(self.target)  # oneDNN-prepacked weights: plain and speculative alike
             for family, name in FAMILIES.items():
                 self.message = f"Loading the {name} drafter..."
                 self.drafters[family], self.trained[family] = self._load_drafter(family)
-                angelspec_hf.prepack_linears(self.drafters[family])
+            # the linear kernels this CPU runs faster (`--linear-kernels auto`): plain and speculative alike
+            self.message = "Timing the linear kernels..."
+            self.kernels = use_linear_kernels("auto", self.target, *self.drafters.values())
             self.router = DrafterRouter({f: self.drafters[f] for f in ("mtp", "dfly")}, self.tokenizer)
             if self.warmup:  # the first call of each path pays one-off costs: keep them out of the measured runs
                 self.message = "Warming up..."
@@ -173,7 +175,7 @@ class DemoModels:
                     self.target.generate(ids, max_new_tokens=2, do_sample=False)
                     for drafter in self.drafters.values():
                         self.target.generate(ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)
-            self.message = "Ready."
+            self.message = f"Ready. Linear kernels: {self.kernels}."
         except Exception as error:  # shown on the page and raised to every request
             self.error, self.message = error, f"Loading failed: {type(error).__name__}: {error}"
         finally:

@@ -358,3 +358,51 @@ def test_pending_features_follow_the_live_requests(targets):
     for rid, prompt, n in zip(ids, prompts, lengths):
         if rid != ids[1]:
             assert outputs[rid] == plain_greedy(twin, prompt, n)
+
+
+def test_a_probe_drafts_for_a_few_rows_and_the_others_keep_their_features(targets):
+    """A probe (D-Cut re-planning a drafter it backed off from) drafts for a few rows of the batch only; the other
+    rows keep their pending target features, so when drafting pays again and every row is drafted for, each drafts
+    exactly what a fresh engine drafts after ingesting that row's whole context at once. Output stays plain greedy."""
+    from angelspec_hf.tgi_patch.engine.dcut import CostModel
+
+    target, twin = targets
+    drafter = _drafter("dfly", target)
+    never_pays = CostModel((0.01, 0.0, 0.001), (100.0, 0.0))  # a drafting call costs 100 s: plain but for probes
+    engine = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=6, lookup_tokens=0,
+                               cost_model=never_pays, measure_rates=False, probe_every=2)
+    engine.policy.PROBE_ROWS = 2
+    drafted = {"probe": [], "draft": []}  # per kind: (decoding rows, [(context, drafted tokens) per drafted row])
+    propose = engine._propose
+
+    def recording(batch):
+        proposal = propose(batch)
+        if proposal.drafted:
+            rows = proposal.drafter_rows.nonzero().flatten().tolist()
+            drafted[proposal.kind].append((batch.num_decode, [
+                (tuple(batch.requests[r].prompt + batch.requests[r].generated), proposal.tokens[r].tolist())
+                for r in rows]))
+        return proposal
+
+    engine._propose = recording
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, stop_token_ids=()))
+           for p, n in zip(PROMPTS, NEW_TOKENS)]
+    outputs, steps = {i: [] for i in ids}, 0
+    while engine.has_work():
+        if steps == 14:  # drafting pays from now on: every row is drafted for, after its features kept so far
+            engine.policy._cost_model = CostModel((1.0, 0.05, 1e-4), (0.0, 0.0))
+        for event in engine.step():
+            outputs[event.request_id].extend(event.token_ids)
+        steps += 1
+    for rid, prompt, n in zip(ids, PROMPTS, NEW_TOKENS):
+        assert outputs[rid] == plain_greedy(twin, prompt, n)
+    probes, full = drafted["probe"], drafted["draft"]
+    assert len(probes) >= 2 and all(len(rows) == 2 < n_dec for n_dec, rows in probes)
+    probed = {context[:3] for _, rows in probes for context, _ in rows}
+    assert full and any(context[:3] not in probed for context, _ in full[0][1])  # rows the probes skipped
+    for context, tokens in [row for _, rows in probes + full[:3] for row in rows]:
+        fresh = SpeculativeEngine(target, drafter, verify="full", max_batch_size=1, lookup_tokens=0)
+        fresh.add_request(list(context[:-1]), SamplingParams(max_new_tokens=len(tokens) + 2, stop_token_ids=()))
+        assert [e.token_ids for e in fresh.step()] == [[context[-1]]]  # the prefill emits the anchor
+        fresh.step()
+        assert fresh.last_step.draft_tokens[0][: len(tokens)] == tokens, context

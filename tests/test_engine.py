@@ -107,6 +107,30 @@ def test_measured_rates_back_off_when_speculation_delivers_less_than_plain():
     assert all(off.should_draft(16) for _ in range(10))
 
 
+def test_with_lookups_the_drafter_is_measured_against_what_steps_without_it_deliver():
+    """With n-gram lookups on, a step without the drafter is a lookup step (some row has a lookup) or a plain one:
+    drafted steps that beat plain ones but lose to those steps taken together start a back-off; without lookups the
+    same drafted steps keep drafting. The two kinds are pooled as they came, so a lookup step's luck (it is taken
+    only where a lookup exists) does not count alone."""
+    from angelspec_hf.tgi_patch.engine.dcut import LOOKUP, DCutPolicy
+
+    def measured(lookup_tokens):
+        policy = DCutPolicy("auto", None, cost_model=FIXED_COST, lookup_tokens=lookup_tokens, probe_every=4)
+        for i in range(6):
+            policy.observe_step(True, 0, 32, decode_tokens=40 + i % 2, seconds=0.3)  # ~135 tok/s
+            policy.observe_step(False, 0, 32, decode_tokens=32, seconds=0.25)  # 128 tok/s
+            policy.observe_step(LOOKUP, 0, 32, decode_tokens=45 + i % 2, seconds=0.2)  # ~230 tok/s
+        return policy
+
+    assert measured(4)._drafter_loses(32) and not measured(0)._drafter_loses(32)
+    backing_off = measured(4)
+    assert [backing_off.should_draft(32) for _ in range(5)] == [False] * 4 + [True]  # a pause, then a probe
+    lucky = measured(4)  # lookup steps alone would win, but lately they are rare next to plain ones
+    for _ in range(30):
+        lucky.observe_step(False, 0, 32, decode_tokens=32, seconds=0.25)
+    assert lucky.measured.loses(32, True, LOOKUP) and not lucky._drafter_loses(32)
+
+
 def test_slow_drafting_is_measured_and_mostly_skipped(targets):
     """End to end: with drafting made 30 ms slower than this machine's tiny-model steps, the cost model (which knows
     nothing of it) keeps planning speculation, the measured rates turn most steps plain, and output stays exact."""
@@ -570,9 +594,9 @@ def test_lookup_proposals_keep_greedy_output(targets, family, verify):
 class LookupWithDrafterQEngine(SpeculativeEngine):
     """Verifies a lookup row against the drafter's distribution instead of the lookup's one-hot q."""
 
-    def _lookup(self, requests, remaining, sampled, tokens, probs, conf):
+    def _lookup(self, requests, remaining, sampled, tokens, probs, conf, drafted=None):
         new_tokens, new_probs, new_conf, use, limit = super()._lookup(requests, remaining, sampled, tokens, probs,
-                                                                      conf)
+                                                                      conf, drafted)
         if probs is not None and new_probs is not None:
             new_probs[:, : probs.shape[1]] = torch.where(use[:, None, None], probs, new_probs[:, : probs.shape[1]])
         return new_tokens, new_probs, new_conf, use, limit
@@ -614,10 +638,11 @@ CHEAP_VERIFY = CostModel((1.0, 0.05, 0.001), (0.0, 0.0))  # every lookup token i
 
 
 def test_step_kind_runs_the_drafter_only_where_a_drafted_step_can_pay():
-    """Before drafting, "auto" plans a step with the acceptance each position has had: where even that plan loses to
-    a plain step (drafting costs too much), the drafter does not run; lookups (free to propose) or plain steps are
-    taken, and after a pause one probe drafts so that D-Cut's plan from real confidences can re-open it."""
-    from angelspec_hf.tgi_patch.engine.dcut import DCutPolicy, MeasuredRates
+    """Before drafting, "auto" plans a step with the acceptance each position has had, or like the rows of recent
+    drafted steps once there are some: where that plan loses to a plain step (drafting, or catching up on the pending
+    features, costs too much), the drafter does not run; lookups (free to propose) or plain steps are taken, and after
+    a pause one probe drafts (for a few rows of a big batch) so that the plan can re-open it."""
+    from angelspec_hf.tgi_patch.engine.dcut import DCutPolicy
 
     cheap_draft = CostModel((1.0, 0.05, 0.02), (0.0, 0.0))
     costly_draft = CostModel((1.0, 0.05, 0.02), (5.0, 0.0))
@@ -627,13 +652,20 @@ def test_step_kind_runs_the_drafter_only_where_a_drafted_step_can_pay():
     without = DCutPolicy("auto", None, cost_model=costly_draft, probe_every=4, measure=False)
     assert [without.step_kind(4, 4, 4, width=7) for _ in range(6)] == ["plain"] * 5 + ["draft"]
     assert without.step_kind(4, 4, 4, width=0) == "plain"  # no drafter, no lookups
-    # D-Cut's own plans at a batch size (from drafted confidences) decide there once they exist
-    planned = DCutPolicy("auto", None, cost_model=costly_draft, measure=False)
-    planned.planned[MeasuredRates.bucket(4)] = 1.4
-    assert planned.step_kind(4, 4, 4, width=7) == "draft"
-    planned = DCutPolicy("auto", None, cost_model=cheap_draft, lookup_tokens=4, measure=False)
-    planned.planned[MeasuredRates.bucket(4)] = 0.7
-    assert planned.step_kind(4, 4, 4, width=7) == "lookup"
+    big = DCutPolicy("auto", None, cost_model=costly_draft, probe_every=4, measure=False)  # 16 rows: probes draft 4
+    assert [big.step_kind(16, 16, 16, width=7) for _ in range(6)] == ["plain"] * 5 + ["probe"]
+    assert big.probe_rows(torch.tensor([9, 3, 7, 3, 1, 8]), torch.tensor([5, 5, 5, 5, 1, 5])).tolist() == [1, 2, 3, 5]
+    # the rows of recent drafted steps decide once there are some (at any batch size)
+    sure = DCutPolicy("auto", None, cost_model=costly_draft, measure=False)
+    sure.remember(torch.ones(3, 7))
+    assert sure.step_kind(4, 4, 4, width=7) == "draft"
+    hopeless = DCutPolicy("auto", None, cost_model=cheap_draft, lookup_tokens=4, measure=False)
+    hopeless.remember(torch.full((3, 7), 0.01))
+    assert hopeless.step_kind(4, 4, 4, width=7) == "lookup"
+    # catching up: a drafting call that first ingests many pending features is planned with their cost
+    ingesting = CostModel((1.0, 0.05, 0.02), (0.0, 0.0, 0.01))
+    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 4, 4, 7, features=4) == "draft"
+    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 4, 4, 7, 4000) == "plain"
     for mode, value in (("full", None), ("depth", 2), ("budget", 8)):  # fixed modes draft whenever they can
         assert DCutPolicy(mode, value, cost_model=costly_draft).step_kind(4, 4, 4, width=7) == "draft"
 

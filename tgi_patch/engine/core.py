@@ -47,12 +47,26 @@ class Proposal:
     conf: torch.Tensor | None  # [B, K] D-Cut's confidence (None: nothing drafted)
     lookup: torch.Tensor | None  # [B] bool: the row carries an n-gram lookup instead of the drafter's block
     num_drafted: torch.Tensor  # [B] valid draft tokens per row
-    kind: str  # "draft" (the drafter ran), "lookup" (n-gram lookups only) or "plain" (nothing proposed)
+    kind: str  # "draft" (the drafter ran), "probe" (it ran for a few rows), "lookup" (n-gram lookups only) or "plain"
+    drafter_rows: torch.Tensor | None = None  # [B] bool: the rows the drafter drafted (None: it did not run)
+    full_rows: torch.Tensor | None = None  # [B] bool: those of them whose whole block may be verified
     draft_seconds: float = 0.0  # the drafting call's wall time
+    draft_rows: int = 0  # the rows of the drafting call
+    draft_features: int = 0  # the padded pending feature positions it ingested
 
     @property
     def drafted(self) -> bool:
-        return self.kind == "draft"
+        return self.kind in ("draft", "probe")
+
+    @property
+    def proposed(self) -> torch.Tensor:
+        """`[B]` bool: the rows that carry a proposal (the drafter's block or an n-gram lookup)."""
+        rows = torch.zeros_like(self.num_drafted, dtype=torch.bool)
+        if self.drafter_rows is not None:
+            rows |= self.drafter_rows
+        if self.lookup is not None:
+            rows |= self.lookup
+        return rows
 
 
 class SpeculativeEngine:
@@ -173,7 +187,7 @@ class SpeculativeEngine:
         proposal = self._propose(batch)
         accept = self._acceptance(proposal.conf, proposal.lookup)
         depth = self._select(accept, proposal.num_drafted, len(batch), batch.base_tokens, batch.num_decode, trace,
-                             batch.sampled, proposal.drafted)
+                             batch.sampled, proposal)
         # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
         forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
         # 4. verify every request in one call
@@ -186,41 +200,71 @@ class SpeculativeEngine:
 
     def _propose(self, batch: ScheduledBatch) -> Proposal:
         """Draft tokens for every decoding request, by the step's kind (`DCutPolicy.step_kind`): the drafter's block,
-        or an n-gram lookup where that is expected to do better ("draft"); n-gram lookups alone, without running
-        the drafter ("lookup"); nothing ("plain": nobody decoding, or D-Cut backing off)."""
-        n_pre = batch.num_prefill
+        or an n-gram lookup where that is expected to do better ("draft"; "probe": the drafter drafts for a few rows
+        only); n-gram lookups alone, without running the drafter ("lookup"); nothing ("plain": nobody decoding, or
+        D-Cut backing off)."""
+        n_pre, dec = batch.num_prefill, slice(batch.num_prefill, None)
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
-        probs = conf = lookup = row_limit = None
-        kind, seconds = "plain", 0.0
+        probs = conf = lookup = row_limit = drafter_rows = None
+        kind, seconds, features, draft_rows, drafted_width = "plain", 0.0, 0, 0, 0
         if batch.num_decode > 0:
             width = self.policy.draft_width(self.batch_drafter.num_draft_tokens) if self.batch_drafter else 0
-            kind = self.policy.step_kind(batch.num_decode, len(batch), batch.base_tokens, width)
-        if kind != "plain":
+            if not bool((batch.remaining[dec] > 1).any()):  # every row is at its last token: nothing to draft
+                width = 0
+            pending = self.runner.pending(batch.slots[dec]) if self.batch_drafter else None
+            catch_up = batch.num_decode * int(pending.max()) if self.batch_drafter else 0
+            kind = self.policy.step_kind(batch.num_decode, len(batch), batch.base_tokens, width, catch_up)
+        if kind in ("draft", "probe"):
+            rows = self.policy.probe_rows(pending, batch.remaining[dec]) if kind == "probe" else None
+            draft_rows = batch.num_decode if rows is None else len(rows)
+            features = draft_rows * int((pending if rows is None else pending[rows]).max())
             start = clock(self.device)
-            tokens, probs, conf, lookup, row_limit = self._draft(batch) if kind == "draft" else self._lookup_only(batch)
-            seconds = clock(self.device) - start if kind == "draft" else 0.0
+            tokens, probs, conf, lookup, row_limit, drafter_rows, drafted_width = self._draft(batch, rows)
+            seconds = clock(self.device) - start
+        elif kind == "lookup":
+            tokens, probs, conf, lookup, row_limit = self._lookup_only(batch)
+        if kind != "plain":
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
             probs = _pad_rows(probs, n_pre) if probs is not None else None
+            drafter_rows = _pad_rows(drafter_rows, n_pre) if drafter_rows is not None else None
         num_drafted = (batch.remaining - 1).clamp(min=0, max=tokens.shape[1])
         num_drafted[:n_pre] = 0
         if row_limit is not None:
             num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
             lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
-        return Proposal(tokens, probs, conf, lookup, num_drafted, kind, seconds)
+        full_rows = None
+        if drafter_rows is not None:
+            if lookup is not None:
+                drafter_rows &= ~lookup  # a row whose lookup replaced its block
+            # what D-Cut may remember of the drafter: blocks not cut short by their request's end
+            full_rows = drafter_rows & (batch.remaining - 1 >= drafted_width)
+        return Proposal(tokens, probs, conf, lookup, num_drafted, kind, drafter_rows, full_rows, seconds, draft_rows,
+                        features)
 
-    def _draft(self, batch: ScheduledBatch):
-        """The decoding rows' proposals: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`,
-        which rows took an n-gram lookup `[n_dec]` and how many positions each carries `[n_dec]` (None, None: no
-        lookups)."""
+    def _draft(self, batch: ScheduledBatch, rows=None):
+        """The decoding rows' proposals when the drafter drafts for all of them, or for the decoding rows `rows`
+        (indices) only: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`, which rows took
+        an n-gram lookup `[n_dec]` and how many positions each carries `[n_dec]` (None, None: no lookups), which
+        rows the drafter drafted `[n_dec]` and how many positions it drafted."""
         dec = slice(batch.num_prefill, None)
-        requests, remaining = batch.requests[dec], batch.remaining[dec]
+        requests, remaining, n_dec = batch.requests[dec], batch.remaining[dec], batch.num_decode
+        drafted = torch.ones(n_dec, dtype=torch.bool, device=self.device)
+        if rows is not None:
+            drafted = torch.zeros_like(drafted).index_fill_(0, rows, True)
+        chosen = [r for r, d in zip(requests, drafted.tolist()) if d]
         k = self.policy.draft_width(self.batch_drafter.num_draft_tokens)
-        keep_going = self.policy.drafting_bound(remaining, len(batch), batch.base_tokens, batch.num_decode)
-        select = verification.draft_selector(requests, self.device, self._process, self.draft_confidence)
-        tokens, probs, conf = self.runner.draft(batch.slots[dec], k, select, keep_going)
+        keep_going = self.policy.drafting_bound(remaining[drafted], len(batch), batch.base_tokens, batch.num_decode)
+        select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence)
+        tokens, probs, conf = self.runner.draft(batch.slots[dec][drafted], k, select, keep_going)
+        width = tokens.shape[1]  # k, or fewer where `keep_going` stopped
+        if rows is not None:  # the other rows: nothing from the drafter
+            tokens, conf = _scatter_rows(tokens, drafted), _scatter_rows(conf, drafted)
+            probs = _scatter_rows(probs, drafted) if probs is not None else None
         if not self.policy.uses_lookup:
-            return tokens, probs, conf, None, None
-        return self._lookup(requests, remaining, batch.sampled[dec], tokens, probs, conf)
+            limit = None if rows is None else torch.where(drafted, width, 0)
+            return tokens, probs, conf, None if rows is None else torch.zeros_like(drafted), limit, drafted, width
+        return *self._lookup(requests, remaining, batch.sampled[dec], tokens, probs, conf,
+                             None if rows is None else drafted), drafted, width
 
     def _lookup_only(self, batch: ScheduledBatch):
         """`_draft`'s outputs for a lookup step: each decoding row's n-gram lookup, where it has one, and nothing
@@ -237,10 +281,7 @@ class SpeculativeEngine:
         """Calibration learns the step's outcomes; the runner keeps the accepted tokens (KV, drafter features,
         anchors); the scheduler hands them to their requests and finishes those that ended."""
         if proposal.kind != "plain":
-            drafted_rows = torch.arange(len(batch), device=self.device) >= batch.num_prefill
-            if not proposal.drafted:  # a lookup step: only the rows that carried a lookup proposed anything
-                drafted_rows &= proposal.lookup
-            self.policy.observe(proposal.conf, depth, verified.num_accepted, drafted_rows, proposal.lookup)
+            self.policy.observe(proposal.conf, depth, verified.num_accepted, proposal.proposed, proposal.lookup)
         self.runner.advance(forward, batch.slots, verified.num_accepted, verified.emitted, verified.next_token)
         return self.scheduler.update(batch.requests, verified.emitted.tolist(), verified.num_accepted.tolist(),
                                      verified.logprobs.tolist(), verified.top)
@@ -253,7 +294,7 @@ class SpeculativeEngine:
         trace.draft_tokens = proposal.tokens.tolist()
         trace.verified, trace.accepted = depth.tolist(), verified.num_accepted.tolist()
         trace.prefill = [len(p) for p in batch.prompts] + [0] * batch.num_decode
-        trace.choice = {"draft": "speculative", "lookup": "lookup"}.get(proposal.kind, "plain")
+        trace.choice = {"draft": "speculative", "probe": "probe", "lookup": "lookup"}.get(proposal.kind, "plain")
         trace.drafted_tokens = int(proposal.num_drafted.sum())
         trace.verified_tokens = int(depth.sum())
         trace.pruned_tokens = trace.drafted_tokens - trace.verified_tokens
@@ -273,10 +314,11 @@ class SpeculativeEngine:
         t["seconds"] += seconds
         decode_tokens = int(verified.num_accepted[batch.num_prefill:].sum()) + batch.num_decode
         # the measured kind: what the step cost is what it did (a lookup step that verified nothing was plain)
-        kind = True if proposal.drafted else (dcut.LOOKUP if trace.verified_tokens else False)
+        kind = {"draft": True, "probe": dcut.PROBE}.get(proposal.kind, dcut.LOOKUP if trace.verified_tokens else False)
         self.policy.observe_step(kind, batch.num_prefill, batch.num_decode, decode_tokens, seconds,
                                  fed_tokens=batch.num_decode + trace.verified_tokens,
-                                 draft_seconds=proposal.draft_seconds)
+                                 draft_seconds=proposal.draft_seconds, draft_rows=proposal.draft_rows,
+                                 draft_features=proposal.draft_features)
 
     def _release(self, slot: int) -> None:
         """A request finished: free what its slot holds (the scheduler's callback)."""
@@ -313,18 +355,21 @@ class SpeculativeEngine:
     def _acceptance(self, conf, lookup):
         return self.policy.acceptance(conf, lookup)
 
-    def _lookup(self, requests, remaining, sampled, tokens, probs, conf):
+    def _lookup(self, requests, remaining, sampled, tokens, probs, conf, drafted=None):
         span = self.policy.lookup_tokens
         if self.batch_drafter is not None:
             span = min(span, self.batch_drafter.num_draft_tokens)
-        return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, self.plan_acceptance)
+        return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, self.plan_acceptance,
+                                  drafted)
 
-    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled, drafted=True) -> torch.Tensor:
-        """D-Cut's depth `[B]` per row (`DCutPolicy.select`), recorded in `trace`."""
+    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled, proposal=None) -> torch.Tensor:
+        """D-Cut's depth `[B]` per row (`DCutPolicy.select`) for the step's `proposal` (None: a drafted one), recorded
+        in `trace`."""
         if accept is None:
             return torch.zeros_like(num_drafted)
+        drafted, full = (True, None) if proposal is None else (proposal.drafted, proposal.full_rows)
         depth, survival = self.policy.select(accept, num_drafted, rows, base_tokens, n_dec, sampled,
-                                             self.plan_acceptance, drafted)
+                                             self.plan_acceptance, drafted, full)
         trace.survival = survival.tolist()
         trace.budget = int(depth.sum())
         return depth
@@ -333,6 +378,13 @@ class SpeculativeEngine:
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """`x` after `n` rows of zeros (the prefilling rows, which carry no draft)."""
     return torch.cat([x.new_zeros(n, *x.shape[1:]), x])
+
+
+def _scatter_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`x` (one entry per True of `rows [B]`) placed at those rows of `B` rows of zeros."""
+    out = x.new_zeros(len(rows), *x.shape[1:])
+    out[rows] = x
+    return out
 
 
 def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: int = 64, verify="auto",

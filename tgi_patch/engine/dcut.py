@@ -122,8 +122,14 @@ class AcceptanceCalibrator:
 @dataclass
 class CostModel:
     """Seconds per engine step: `verify(rows, tokens)` for a target forward over `rows` sequences and `tokens` new
-    tokens in total, and `draft(rows)` for one drafting call. Both are least-squares fits of measurements:
-    `a + b·rows + c·tokens` and `a + b·rows`.
+    tokens in total, and `draft(rows, features)` for one drafting call that first ingests `features` padded target
+    feature positions (`rows` × the most any of them has pending: the drafter reads them as one padded batch). Both
+    are least-squares fits of measurements: `a + b·rows + c·tokens` and `a + b·rows + d·features`.
+
+    The ingestion term is what a drafting call costs to catch up: after a prompt, or after plain steps, every row
+    has tokens the drafter has not read (measured on this project's 2-core Xeon with the shipped DFly: a call for 32
+    rows took 68 ms after 1 pending feature each and 267 ms after 256). Without it the catch-up was read as the
+    cost of drafting itself, and a model refined at 32 requests priced every drafting call at 144 ms.
 
     A profiled model (`load_or_profile`) is then refined from the engine's own timed steps (`refine`, then
     `observe_verify` / `observe_draft`): the profile times dummy sequences of 32 tokens on an idle machine, up to the
@@ -133,7 +139,7 @@ class CostModel:
     the refined coefficients are written back to the cache file every `SAVE_EVERY` observed steps."""
 
     verify_coef: tuple[float, float, float]
-    draft_coef: tuple[float, float] = (0.0, 0.0)
+    draft_coef: tuple[float, ...] = (0.0, 0.0, 0.0)  # (a, b, d); a 2-tuple (no ingestion term) gets d = 0
     samples: list = field(default_factory=list)
     key: str = ""
     path: Path | None = field(default=None, compare=False, repr=False)  # the cache file it came from (not serialised)
@@ -141,13 +147,20 @@ class CostModel:
     SAVE_EVERY = 64
     PRIOR_ROWS = (1, 2, 4, 8, 16, 32)  # the prior's design points where the profile has none
 
+    def __post_init__(self):
+        self.draft_coef = tuple(float(c) for c in self.draft_coef) + (0.0,) * (3 - len(self.draft_coef))
+
     def verify(self, rows, tokens):
         a, b, c = self.verify_coef
         return max(a + b * rows + c * tokens, 1e-6)
 
-    def draft(self, rows) -> float:
-        a, b = self.draft_coef
-        return max(a + b * rows, 0.0)
+    def draft(self, rows, features: int = 0) -> float:
+        a, b, _ = self.draft_coef
+        return max(a + b * rows, 0.0) + self.ingest(features)
+
+    def ingest(self, features: int) -> float:
+        """What ingesting `features` padded feature positions adds to a drafting call."""
+        return max(self.draft_coef[2], 0.0) * features
 
     def step_costs(self, rows: int, base_tokens: int, max_extra: int, drafted: bool, device=None) -> torch.Tensor:
         """`[max_extra + 1]`: cost of a step verifying 0..max_extra draft tokens on top of `base_tokens`."""
@@ -164,11 +177,13 @@ class CostModel:
         that; observations decay × `decay` per step, so the fit follows the current workload)."""
         points = sorted({(s["rows"], s["rows"] * s["tokens_per_row"]) for s in self.samples}) or [
             (r, r * t) for r in self.PRIOR_ROWS for t in (1, 4)]
-        rows = sorted({r for r, _ in points})
+        drafts = sorted({(s["rows"], s["rows"] * s.get("draft_features", 1)) for s in self.samples if "draft" in s})
+        drafts = drafts or [(r, r * f) for r in self.PRIOR_ROWS for f in (1, 32)]
         fit = {"prior_weight": prior_weight, "decay": decay, "prior_fade": prior_fade, "min_prior": min_prior}
         self._verify_fit = OnlineLeastSquares([[1.0, r, t] for r, t in points],
                                               [self.verify(r, t) for r, t in points], **fit)
-        self._draft_fit = OnlineLeastSquares([[1.0, r] for r in rows], [self.draft(r) for r in rows], **fit)
+        self._draft_fit = OnlineLeastSquares([[1.0, r, f] for r, f in drafts], [self.draft(r, f) for r, f in drafts],
+                                             **fit)
         self._observed = 0
 
     @property
@@ -186,10 +201,11 @@ class CostModel:
         if self.path is not None and self._observed % self.SAVE_EVERY == 0:
             self.save()
 
-    def observe_draft(self, rows: int, seconds: float) -> None:
-        """A drafting call for `rows` requests took `seconds` (only while `refining`)."""
+    def observe_draft(self, rows: int, features: int, seconds: float) -> None:
+        """A drafting call for `rows` requests that ingested `features` padded feature positions took `seconds` (only
+        while `refining`)."""
         if self.refining:
-            self._draft_fit.add([1.0, float(rows)], seconds)
+            self._draft_fit.add([1.0, float(rows), float(features)], seconds)
             self.draft_coef = self._draft_fit.coef
 
     def save(self) -> None:
@@ -218,25 +234,31 @@ def _fit(features: list[list[float]], times: list[float]) -> tuple[float, ...]:
 
 
 def profile_cost_model(runner, rows=(1, 2, 4, 8, 16, 32), tokens_per_row=(1, 2, 4, 8), context=32, repeats=2,
-                       time_limit: float = 20.0) -> CostModel:
+                       time_limit: float = 20.0, draft_features=(1, 128)) -> CostModel:
     """Measure verification (and drafting) steps of a model runner's models (`runner.time_dummy_steps`) on dummy
     sequences of `context` tokens, for batch sizes up to `runner.max_batch_size`, smallest first, stopping after about
-    `time_limit` seconds."""
+    `time_limit` seconds; drafting calls after each of `draft_features` pending features per row."""
     rows = [r for r in rows if r <= runner.max_batch_size] or [1]
     verify_x, verify_t, draft_x, draft_t, samples = [], [], [], [], []
     start = time.perf_counter()
     for b in rows:
-        if time.perf_counter() - start > time_limit and len(samples) >= 2:
+        if time.perf_counter() - start > time_limit and len({s["rows"] for s in samples}) >= 2:
             break
-        for sample in runner.time_dummy_steps(b, list(tokens_per_row), context, repeats):
+        for sample in runner.time_dummy_steps(b, list(tokens_per_row), context, repeats, draft_features):
             samples.append(sample)
             verify_x.append([1.0, b, b * sample["tokens_per_row"]])
             verify_t.append(sample["verify"])
             if "draft" in sample:
-                draft_x.append([1.0, b])
+                draft_x.append([1.0, b, b * sample["draft_features"]])
                 draft_t.append(sample["draft"])
     verify_coef = _fit(verify_x, verify_t) if len(verify_t) >= 3 else (statistics.mean(verify_t), 0.0, 0.0)
-    draft_coef = _fit(draft_x, draft_t) if len(draft_t) >= 2 else ((draft_t[0] if draft_t else 0.0), 0.0)
+    if len({x[1] for x in draft_x}) >= 2:  # rows and features both varied
+        draft_coef = _fit(draft_x, draft_t)
+    elif draft_x:  # one batch size: its cost, and the slope in features
+        a, d = _fit([[1.0, x[2]] for x in draft_x], draft_t) if len({x[2] for x in draft_x}) >= 2 else (draft_t[0], 0)
+        draft_coef = (a, 0.0, d)
+    else:
+        draft_coef = (0.0, 0.0, 0.0)
     return CostModel(verify_coef, draft_coef, samples)
 
 
@@ -247,10 +269,12 @@ def load_or_profile(runner, cache_dir=None, **profile_kwargs) -> CostModel:
     path = Path(cache_dir or default_cache_dir()) / f"{key}.json"
     if path.is_file():
         try:
-            model = CostModel.from_dict(json.loads(path.read_text()))
-            model.path = path
-            return model
-        except (ValueError, KeyError):
+            data = json.loads(path.read_text())
+            if len(data["draft_coef"]) == 3:  # an older cache (no ingestion term) is re-measured
+                model = CostModel.from_dict(data)
+                model.path = path
+                return model
+        except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is re-measured
     model = profile_cost_model(runner, **profile_kwargs)
     model.key, model.path = key, path
@@ -332,6 +356,8 @@ class BackOff:
 
 
 LOOKUP = "lookup"  # the measured kind of a step that verified n-gram lookups without running the drafter
+PROBE = "probe"  # a step whose drafter ran for a few rows only (`DCutPolicy.step_kind`): its rate is not measured
+UNDRAFTED = "undrafted"  # the measured kind of every plain or lookup-only step, pooled as they came
 
 
 class DCutPolicy:
@@ -342,16 +368,24 @@ class DCutPolicy:
     replace a row's drafted block when `lookup_tokens` > 0, their confidence (matched n-gram length /
     `lookup_max_ngram`) calibrated on its own.
 
-    Each "auto" step is one of three kinds (`step_kind`), decided before anything is drafted: **draft** (the drafter
-    runs; lookups may replace rows), **lookup** (n-gram lookups only: no drafter call, so it costs nothing but the
-    tokens verified) or **plain**. The drafter runs only while a step planned with the acceptance each draft
-    position has had so far (or D-Cut's last plans at this batch size) beats a plain one under the cost model (on this
-    project's 2-core CPU, from about 4 requests up, a drafting call is not paid back). Each kind also backs off to plain steps
-    (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the speculative steps measured at this
-    batch size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than the plain ones,
-    and the drafter also when the cost model plans a drafted step that would not beat a plain one: a cost model
-    profiled on an idle machine, or calibration still learning, cannot then make batched decoding slower for long.
-    The decisions read only past steps, so they keep sampling exact."""
+    Each "auto" step is one of four kinds (`step_kind`), decided before anything is drafted: **draft** (the drafter
+    runs; lookups may replace rows), **probe** (the drafter runs for a few rows only, see below), **lookup** (n-gram
+    lookups only: no drafter call, so it costs nothing but the tokens verified) or **plain**. The drafter runs only
+    while a step planned under the cost model beats a plain one (`drafting_may_pay`): the drafting call, its
+    catch-up on the features the rows have pending, and every row's draft planned like the rows of the recent
+    drafted steps, at any batch size (`remember`; before any, with the acceptance each draft position has had so far).
+    On this project's 2-core CPU a drafting call is not paid back from about 8 requests up. Each kind also backs off
+    to plain steps (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the speculative steps
+    measured at this batch size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than
+    the plain ones, and the drafter also while the plan says it would lose; the step after a pause is a probe. A
+    probe after a measured loss drafts every row, to measure again; one after a planned loss drafts only the
+    `PROBE_ROWS` rows with the fewest pending features (their verified confidences refresh the plan at the cost of
+    a small drafting call, where a full one at 32 requests cost two plain steps). A cost model profiled on an idle
+    machine, or calibration still learning, cannot then make batched decoding slower for long. The decisions read
+    only past steps and row positions, so they keep sampling exact."""
+
+    PROBE_ROWS = 4  # rows a probe after a planned loss drafts
+    RECENT_ROWS = 256  # drafted rows the plan remembers
 
     def __init__(self, mode: str, mode_value: int | None, *, cost_model: CostModel | None = None,
                  load_cost_model=None, calibrator: AcceptanceCalibrator | None = None, probe_every: int = 8,
@@ -367,7 +401,7 @@ class DCutPolicy:
         self.drafter_backoff = BackOff(probe_every, 8 * probe_every)
         self.lookup_backoff = BackOff(probe_every, 8 * probe_every)
         self.measured = MeasuredRates() if measure else None
-        self.planned: dict[int, float] = {}  # per batch-size bucket: D-Cut's planned rate over plain's (moving average)
+        self._recent: torch.Tensor | None = None  # [M, K] planned survival of the last drafted rows (`remember`)
 
     @property
     def cost_model(self) -> CostModel:
@@ -379,17 +413,21 @@ class DCutPolicy:
         return self._cost_model
 
     # ---- before drafting ---------------------------------------------------------------------------------------------
-    def step_kind(self, n_dec: int, rows: int, base_tokens: int, width: int) -> str:
-        """"draft", "lookup" or "plain" for a step of `rows` requests (`n_dec` decoding; `base_tokens` in the target
-        forward before any draft) whose drafter would draft `width` tokens (0: no drafter). Every mode but "auto"
-        drafts whenever it can."""
+    def step_kind(self, n_dec: int, rows: int, base_tokens: int, width: int, features: int = 0) -> str:
+        """"draft", "probe", "lookup" or "plain" for a step of `rows` requests (`n_dec` decoding; `base_tokens` in the
+        target forward before any draft) whose drafter would draft `width` tokens (0: no drafter) after ingesting
+        `features` padded pending feature positions. Every mode but "auto" drafts whenever it can."""
         if self.mode != "auto":
             return "draft" if width else "plain"
         if self.measured is not None and self.measured.plain_due(n_dec, self.probe_every):
             return "plain"  # a batch size measured speculating but never plain: measure plain, 1 step in probe_every
         if width and self._drafter_allowed(n_dec):
-            if self.drafter_backoff.probing or self.drafting_may_pay(rows, base_tokens, n_dec, width):
+            if self.drafting_may_pay(rows, base_tokens, n_dec, width, features):
+                if not self._drafter_loses(n_dec):
+                    self.drafter_backoff.reset()
                 return "draft"
+            if self.drafter_backoff.probing:
+                return "probe" if n_dec > self.PROBE_ROWS else "draft"
             self.drafter_backoff.lost()  # planned not to pay: lookups or plain steps, then a probe re-plans it
         if self.uses_lookup:
             losing = self.measured is not None and self.measured.loses(n_dec, LOOKUP)
@@ -398,6 +436,14 @@ class DCutPolicy:
                     self.lookup_backoff.reset()
                 return "lookup"
         return "plain"
+
+    def probe_rows(self, pending: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
+        """The decoding rows a probe drafts (indices, ascending): of those with a token left to draft (`remaining
+        [n_dec]` > 1), the `PROBE_ROWS` with the fewest pending features `[n_dec]` (the cheapest to catch up; ties by
+        row)."""
+        key = pending + (remaining <= 1).long() * (int(pending.max()) + 1)
+        order = torch.sort(key, stable=True).indices[: self.PROBE_ROWS]
+        return order.sort().values
 
     def should_draft(self, n_dec: int) -> bool:
         """The drafter's gate alone: False while backing off (a plain step is taken instead; "auto" mode only), and
@@ -411,41 +457,73 @@ class DCutPolicy:
         return self._drafter_allowed(n_dec)
 
     def _drafter_allowed(self, n_dec: int) -> bool:
-        return self.drafter_backoff.allows(self.measured is not None and self.measured.loses(n_dec))
+        return self.drafter_backoff.allows(self._drafter_loses(n_dec))
 
-    def drafting_may_pay(self, rows: int, base_tokens: int, n_dec: int, width: int) -> bool:
-        """Could a drafted step beat a plain one? Planned before drafting, under the cost model (the drafting call
-        included): by what D-Cut planned from the drafted confidences in the last drafted steps at this batch size
-        (`planned`), else with every decoding row verifying the same depth at the acceptance each draft position has
-        had so far (`AcceptanceCalibrator.position_rates`, its prior until observed), where any depth up to `width`
-        that beats a plain step says yes."""
-        planned = self.planned.get(MeasuredRates.bucket(n_dec))
-        if planned is not None:
-            return planned > 1.0
+    def _drafter_loses(self, n_dec: int) -> bool:
+        """Have drafted steps at this batch size measured slower than the steps taken without the drafter: plain
+        ones, and with lookups on, plain and lookup-only steps as they came (`UNDRAFTED`: a lookup step is taken where
+        some row has a lookup, a plain one where none has; together they are what not drafting delivers; in one run
+        of 32 requests on this project's Xeon, drafted steps delivered 133 tokens/s, lookup steps 223 and plain ones
+        189)?"""
+        if self.measured is None:
+            return False
+        return self.measured.loses(n_dec, True, UNDRAFTED if self.uses_lookup else MeasuredRates.PLAIN)
+
+    def drafting_may_pay(self, rows: int, base_tokens: int, n_dec: int, width: int, features: int = 0) -> bool:
+        """Could a drafted step beat a plain one? Planned before drafting under the cost model: the drafting call for
+        the `n_dec` decoding rows plus its catch-up (ingesting `features` padded pending feature positions, shared by
+        the `probe_every` drafted steps it opens: after that the drafter has only each step's accepted tokens to
+        read), and every row's draft planned like the recently drafted rows (`remember`), D-Cut verifying the tokens
+        most likely to be accepted first; before any, every row planned with the acceptance each draft position has
+        had so far (`AcceptanceCalibrator.position_rates`, its prior until observed). Any number of verified tokens
+        beating a plain step says yes."""
         cost = self.cost_model
-        rates = self.calibrator.position_rates()
+        survival = self._recent_survival(width)
+        per_row = survival.reshape(-1).sort(descending=True).values.double()
+        m = survival.shape[0]
+        gain = n_dec * (1 + per_row.cumsum(0) / m)  # after the best 1, 2, ... tokens of every m remembered rows
+        extra = n_dec * torch.arange(1, len(per_row) + 1, dtype=torch.float64) / m
+        a, b, c = cost.verify_coef
+        seconds = ((a + b * rows + c * (base_tokens + extra)).clamp(min=1e-6) + cost.draft(n_dec)
+                   + cost.ingest(features) / self.probe_every)
         plain = n_dec / cost.verify(rows, base_tokens)
-        survival, gain = 1.0, 0.0
-        for d in range(width):
-            survival *= rates[min(d, len(rates) - 1)]
-            gain += survival
-            if n_dec * (1 + gain) / (cost.verify(rows, base_tokens + n_dec * (d + 1)) + cost.draft(rows)) > plain:
-                return True
-        return False
+        return bool((gain / seconds > plain).any())
+
+    def remember(self, survival: torch.Tensor) -> None:
+        """Keep the planned survival `[n, K]` of drafted rows (the last `RECENT_ROWS`) for `drafting_may_pay`."""
+        survival = survival.detach().float().cpu()
+        if self._recent is not None:
+            k = max(self._recent.shape[1], survival.shape[1])
+            pad = lambda x: torch.nn.functional.pad(x, (0, k - x.shape[1]))  # noqa: E731
+            survival = torch.cat([pad(self._recent), pad(survival)])
+        self._recent = survival[-self.RECENT_ROWS:]
+
+    def _recent_survival(self, width: int) -> torch.Tensor:
+        """`[M, width]`: the remembered rows, or one row of the position rates' survival while there are none."""
+        if self._recent is None or not len(self._recent):
+            rates = self.calibrator.position_rates()
+            return torch.tensor([rates[min(d, len(rates) - 1)] for d in range(width)]).cumprod(0)[None]
+        recent = self._recent[:, :width]
+        return torch.nn.functional.pad(recent, (0, width - recent.shape[1]))
 
     def observe_step(self, kind, n_pre: int, n_dec: int, decode_tokens: int, seconds: float, fed_tokens: int = 0,
-                     draft_seconds: float = 0.0) -> None:
-        """A finished step of `kind` (True drafted, `LOOKUP`, False plain) that fed the target `fed_tokens` new tokens
-        and spent `draft_seconds` of its `seconds` in the drafting call: its delivered rate (`MeasuredRates`) and its
-        costs (the profiled cost model's refinement). Steps that also prefilled are skipped: their rates are not
-        comparable and their tokens cost what a prompt's do, not what a decoding step's do."""
+                     draft_seconds: float = 0.0, draft_rows: int = 0, draft_features: int = 0) -> None:
+        """A finished step of `kind` (True drafted, `PROBE`, `LOOKUP`, False plain) that fed the target `fed_tokens`
+        new tokens and spent `draft_seconds` of its `seconds` in a drafting call for `draft_rows` rows that ingested
+        `draft_features` padded feature positions: its delivered rate (`MeasuredRates`; not a probe's, which drafted
+        for a few rows only) and its costs (the profiled cost model's refinement). Steps that also prefilled are
+        skipped: their rates are not comparable and their tokens cost what a prompt's do, not what a decoding step's
+        do."""
         if self.measured is None or n_pre:
             return
-        self.measured.observe(kind, n_dec, decode_tokens, seconds)
+        if kind != PROBE:
+            self.measured.observe(kind, n_dec, decode_tokens, seconds)
+        if kind is False or kind == LOOKUP:
+            self.measured.observe(UNDRAFTED, n_dec, decode_tokens, seconds)
         if self._cost_model is not None and self._cost_model.refining:
             self._cost_model.observe_verify(n_dec, fed_tokens, seconds - draft_seconds)
-            if kind is True:
-                self._cost_model.observe_draft(n_dec, draft_seconds)
+            if draft_rows:
+                self._cost_model.observe_draft(draft_rows, draft_features, draft_seconds)
 
     def draft_width(self, num_draft_tokens: int) -> int:
         if self.mode in ("depth", "budget"):  # no row ever verifies more: do not draft more
@@ -475,7 +553,8 @@ class DCutPolicy:
     def uses_lookup(self) -> bool:
         return bool(self.lookup_tokens) and self.mode != "depth"
 
-    def lookup(self, requests, remaining, sampled, tokens, probs, conf, span: int, plan=plan_acceptance):
+    def lookup(self, requests, remaining, sampled, tokens, probs, conf, span: int, plan=plan_acceptance,
+               drafted=None):
         """Give each decode request the n-gram lookup continuation of its context (the tokens that followed the latest
         earlier occurrence of its last `lookup_max_ngram` or fewer tokens, at most `span`) in place of the drafter's
         block, where the lookup is expected to have more tokens accepted. Returns the new `tokens, probs, conf`, which
@@ -483,13 +562,15 @@ class DCutPolicy:
 
         Exact for sampled requests: a lookup is a deterministic proposal (its q is one-hot), and the choice reads only
         what is known before the drafter's first token was drawn (the lookup's own calibrated acceptance, and the
-        drafter's as `plan` plans it: from its first position's confidence)."""
+        drafter's as `plan` plans it: from its first position's confidence). `drafted [B]` (bool): the rows the
+        drafter drafted (None: all); the others carry their lookup or nothing."""
         width, dev = tokens.shape[1], tokens.device
         found = [ngram_continuation(torch.tensor(r.prompt + r.generated), self.lookup_max_ngram,
                                     max(0, min(span, left - 1))) for r, left in zip(requests, remaining.tolist())]
         lengths = torch.tensor([len(cont) for cont, _ in found], device=dev)
+        own = torch.full_like(lengths, width) if drafted is None else torch.where(drafted, width, 0)
         if not bool((lengths > 0).any()):
-            return tokens, probs, conf, torch.zeros_like(lengths, dtype=torch.bool), torch.full_like(lengths, width)
+            return tokens, probs, conf, torch.zeros_like(lengths, dtype=torch.bool), own
         wide = max(width, int(lengths.max()))
         l_tokens = torch.zeros(len(requests), wide, dtype=torch.long, device=dev)
         for i, (cont, _) in enumerate(found):
@@ -498,7 +579,11 @@ class DCutPolicy:
         matched = torch.tensor([n for _, n in found], device=dev) / self.lookup_max_ngram
         l_conf = torch.where(valid, matched[:, None].expand(-1, wide), torch.zeros((), device=dev))
         l_expected = (torch.cumprod(self.lookup_calibrator(l_conf), 1) * valid).sum(1)
-        d_expected = torch.cumprod(plan(self.calibrator(conf), sampled), 1).sum(1) if width else 0.0
+        d_expected = torch.zeros(len(requests), device=dev)
+        if width:
+            d_expected = torch.cumprod(plan(self.calibrator(conf), sampled), 1).sum(1)
+        if drafted is not None:
+            d_expected = torch.where(drafted, d_expected, torch.zeros_like(d_expected))
         use = (lengths > 0) & (l_expected > d_expected)
 
         def widen(x):
@@ -509,7 +594,7 @@ class DCutPolicy:
         if probs is not None:
             one_hot = torch.zeros_like(widen(probs)).scatter_(2, l_tokens[..., None], 1.0)
             probs = torch.where(use[:, None, None], one_hot, widen(probs))
-        return tokens, probs, conf, use, torch.where(use, lengths, torch.full_like(lengths, width))
+        return tokens, probs, conf, use, torch.where(use, lengths, own)
 
     # ---- choosing what to verify -------------------------------------------------------------------------------------
     def acceptance(self, conf, lookup):
@@ -523,10 +608,11 @@ class DCutPolicy:
         return accept
 
     def select(self, accept, num_drafted, rows: int, base_tokens: int, n_dec: int, sampled, plan=plan_acceptance,
-               drafted: bool = True):
+               drafted: bool = True, drafter_rows=None):
         """How many draft tokens each row verifies, `depth [B]`, and every position's survival `[B, K]`, for a step of
         `rows` requests whose target forward has `base_tokens` tokens before any draft (`n_dec` rows decoding);
-        `drafted`: the drafter ran (False: a lookup step, whose proposals cost nothing to make)."""
+        `drafted`: the drafter ran (False: a lookup step, whose proposals cost nothing to make); `drafter_rows [B]`
+        (bool): rows carrying the drafter's whole block, which "auto" remembers for its next plans."""
         if self.mode == "depth":
             return num_drafted.clamp(max=self.mode_value), torch.cumprod(accept, 1)
         if self.mode == "full":
@@ -534,36 +620,23 @@ class DCutPolicy:
         if self.mode == "budget":
             depth, survival, _ = kernels.dcut_select(accept, num_drafted, self.mode_value)
             return depth, survival
-        return self._select_auto(accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted)
+        return self._select_auto(accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted, drafter_rows)
 
-    def _select_auto(self, accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted):
+    def _select_auto(self, accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted, drafter_rows):
         """The budget that maximises expected tokens per second under the cost model, planned with `plan`; a sampled
         row verifies every position whose survival clears the plan's lowest chosen survival."""
         max_extra = int(num_drafted.sum())
         costs = self.cost_model.step_costs(rows, base_tokens, max_extra, drafted=drafted, device=accept.device)
-        depth, planned, chosen = kernels.dcut_select(plan(accept, sampled), num_drafted, max_extra, costs, float(n_dec))
+        depth, planned, _ = kernels.dcut_select(plan(accept, sampled), num_drafted, max_extra, costs, float(n_dec))
         ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
         valid = ar < num_drafted[:, None]
         survival = torch.where(valid, torch.cumprod(accept.float(), 1), torch.zeros((), device=valid.device))
         # sampled rows: every position whose survival clears the plan's lowest chosen survival (none: +inf)
         threshold = torch.where(ar < depth[:, None], planned, torch.full_like(planned, float("inf"))).amin()
         depth = torch.where(sampled, ((survival >= threshold) & valid).sum(1), depth)
-        if drafted:
-            self._back_off_if_plain_wins(planned, chosen, costs, rows, base_tokens, n_dec)
+        if drafted and drafter_rows is not None and bool(drafter_rows.any()):
+            self.remember(planned[drafter_rows])
         return depth, survival
-
-    def _back_off_if_plain_wins(self, planned, chosen, costs, rows, base_tokens, n_dec) -> None:
-        """Would plain decoding (no drafting at all) have done better? Then skip drafting for a while."""
-        gain = float(n_dec + (planned.reshape(-1).sort(descending=True).values[: int(chosen)].sum()))
-        speculative_rate = gain / float(costs[int(chosen)])
-        plain_rate = n_dec / self.cost_model.verify(rows, base_tokens)
-        bucket, ratio = MeasuredRates.bucket(n_dec), speculative_rate / plain_rate
-        old = self.planned.get(bucket)
-        self.planned[bucket] = ratio if old is None else old + 0.2 * (ratio - old)
-        if speculative_rate < plain_rate:  # back off exponentially while drafting keeps losing
-            self.drafter_backoff.lost()
-        elif self.measured is None or not self.measured.loses(n_dec):
-            self.drafter_backoff.reset()
 
     # ---- after verification ------------------------------------------------------------------------------------------
     def observe(self, conf, depth, num_accepted, drafted_rows, lookup) -> None:

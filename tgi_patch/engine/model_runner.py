@@ -86,14 +86,19 @@ class ModelRunner:
         return feat[live], slot[live], after[live], epoch[live]
 
     # ---- drafting ----------------------------------------------------------------------------------------------------
+    def pending(self, slots) -> torch.Tensor:
+        """`[B]` target features each of `slots` has waiting for the drafter (what its next drafting call ingests)."""
+        return self._live[slots]
+
     def draft(self, slots, k, select, keep_going=None):
         """Feed each slot's pending target features to the drafter and draft k tokens after its anchor (`select` and
-        `keep_going` as `BatchDrafter.draft` takes them). Returns tokens `[B, K]`, probs `[B, K, V]` or None,
-        confidence `[B, K]`."""
+        `keep_going` as `BatchDrafter.draft` takes them); other slots keep theirs pending. Returns tokens `[B, K]`,
+        probs `[B, K, V]` or None, confidence `[B, K]`."""
         dev = self.device
         row_of_slot = torch.full((self.max_batch_size,), -1, dtype=torch.long, device=dev)
         row_of_slot[slots] = torch.arange(len(slots), device=dev)
-        pending_feat, pending_slot, pending_next, _ = self._pending_rows()
+        pending = self._pending_rows()
+        pending_feat, pending_slot, pending_next, _ = pending
         rows = row_of_slot[pending_slot]
         order = torch.sort(rows, stable=True).indices
         order = order[rows[order] >= 0]  # by request, oldest first
@@ -105,8 +110,9 @@ class ModelRunner:
         features[rows, cols] = pending_feat[order]
         next_ids = torch.zeros(len(slots), n_max, dtype=torch.long, device=dev)
         next_ids[rows, cols] = pending_next[order]
-        self._pending, self._dead = [], 0
-        self._live.zero_()
+        others = row_of_slot[pending_slot] < 0  # slots not drafting now keep their pending features
+        self._pending, self._dead = ([tuple(x[others] for x in pending)] if bool(others.any()) else []), 0
+        self._live[slots] = 0
         anchors = self.anchor[slots]
         return self.batch_drafter.draft(slots, features, next_ids, new, anchors, k, select, keep_going)
 
@@ -179,9 +185,12 @@ class ModelRunner:
 
     # ---- profiling ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def time_dummy_steps(self, rows: int, tokens_per_row, context: int, repeats: int = 2) -> list[dict]:
+    def time_dummy_steps(self, rows: int, tokens_per_row, context: int, repeats: int = 2,
+                         draft_features=(1,)) -> list[dict]:
         """For `rows` dummy sequences of `context` tokens: the median seconds of one verification forward adding each
-        of `tokens_per_row` tokens per sequence, and of one drafting call. Uses idle slots and gives them back."""
+        of `tokens_per_row` tokens per sequence, and of one drafting call after each of `draft_features` pending
+        features per sequence (samples `draft`, `draft_features`; one per sample from the first). Uses idle slots and
+        gives them back."""
         if any(self.pool.num_pages):  # a request holds KV pages: it is running
             raise RuntimeError("profile the cost model before serving requests")
         slots = torch.arange(rows, device=self.device)
@@ -194,7 +203,9 @@ class ModelRunner:
                       "verify": statistics.median(self._time_verify(slots, t, vocab)[0] for _ in range(repeats))}
             samples.append(sample)
         if self.batch_drafter is not None:
-            samples[0]["draft"] = self._time_draft(slots, tokens_per_row[0], vocab, repeats)
+            for sample, features in zip(samples, draft_features):
+                sample["draft"] = self._time_draft(slots, features, vocab, repeats)
+                sample["draft_features"] = features
         for s in range(rows):
             self.pool.release(s)
             if self.batch_drafter is not None:
