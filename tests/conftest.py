@@ -2,11 +2,16 @@
 
 import os
 import shutil
+import tempfile
 
 # Triton kernels run under Triton's interpreter where there is no GPU. It must be set before anything imports triton
 # (transformers may), since triton's own library functions (tl.sort, ...) are defined at its import.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Cost models profiled by the tests (two workers loading the machine at once) stay out of the user's cache, where a
+# later benchmark or server would read a profile timed under that load.
+os.environ.setdefault("ANGELSPEC_COST_MODELS", tempfile.mkdtemp(prefix="angelspec-test-cost-models-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
