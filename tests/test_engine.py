@@ -459,7 +459,7 @@ def test_sampling_is_exact_in_every_verify_mode_with_power(spread, case, monkeyp
         samples, greedy, engine = run_sampled(target, drafter, draws, params, new_tokens, verify=verify, **options)
         stats = engine.stats
         # drafts were verified, some accepted and many rejected: p and q are far apart (acceptance = 1 - TV)
-        assert 0 < stats["accepted"] < 0.65 * stats["verified"]
+        assert 0 < stats["accepted"] < 0.75 * stats["verified"]
         if verify == "auto" or isinstance(verify, int):  # D-Cut really chose: it verified some, not all
             assert 0 < stats["verified"] < stats["drafted"]
         assert all(g == greedy[0] for g in greedy)  # greedy neighbours are deterministic whatever the batch
@@ -539,13 +539,13 @@ def _selection_looks_ahead(target, engine_cls, cost, verify="auto", trials=300):
         conf = torch.rand(rows, k, generator=g)
         drafted = torch.randint(1, k + 1, (rows,), generator=g)
         sampled = torch.rand(rows, generator=g) < 0.7
-        before = engine._select(engine._acceptance(conf, None), drafted, rows, rows, rows, StepTrace(), sampled)
+        before = engine._select(engine._acceptance(conf, None), drafted, rows, StepTrace(), sampled)
         i, j = int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, k - 1, (1,), generator=g))
         if not bool(sampled[i]):
             continue
         other = conf.clone()
         other[i, j + 1 :] = torch.rand(k - j - 1, generator=g)
-        after = engine._select(engine._acceptance(other, None), drafted, rows, rows, rows, StepTrace(), sampled)
+        after = engine._select(engine._acceptance(other, None), drafted, rows, StepTrace(), sampled)
         changed += int((before[i] > j) != (after[i] > j))  # position j verified or not
     return changed
 
@@ -646,28 +646,61 @@ def test_step_kind_runs_the_drafter_only_where_a_drafted_step_can_pay():
 
     cheap_draft = CostModel((1.0, 0.05, 0.02), (0.0, 0.0))
     costly_draft = CostModel((1.0, 0.05, 0.02), (5.0, 0.0))
-    assert DCutPolicy("auto", None, cost_model=cheap_draft, measure=False).step_kind(4, 4, 4, width=7) == "draft"
+    assert DCutPolicy("auto", None, cost_model=cheap_draft, measure=False).step_kind(4, width=7) == "draft"
     with_lookup = DCutPolicy("auto", None, cost_model=costly_draft, lookup_tokens=4, probe_every=4, measure=False)
-    assert [with_lookup.step_kind(4, 4, 4, width=7) for _ in range(6)] == ["lookup"] * 5 + ["draft"]
+    assert [with_lookup.step_kind(4, width=7) for _ in range(6)] == ["lookup"] * 5 + ["draft"]
     without = DCutPolicy("auto", None, cost_model=costly_draft, probe_every=4, measure=False)
-    assert [without.step_kind(4, 4, 4, width=7) for _ in range(6)] == ["plain"] * 5 + ["draft"]
-    assert without.step_kind(4, 4, 4, width=0) == "plain"  # no drafter, no lookups
+    assert [without.step_kind(4, width=7) for _ in range(6)] == ["plain"] * 5 + ["draft"]
+    assert without.step_kind(4, width=0) == "plain"  # no drafter, no lookups
     big = DCutPolicy("auto", None, cost_model=costly_draft, probe_every=4, measure=False)  # 16 rows: probes draft 4
-    assert [big.step_kind(16, 16, 16, width=7) for _ in range(6)] == ["plain"] * 5 + ["probe"]
+    assert [big.step_kind(16, width=7) for _ in range(6)] == ["plain"] * 5 + ["probe"]
     assert big.probe_rows(torch.tensor([9, 3, 7, 3, 1, 8]), torch.tensor([5, 5, 5, 5, 1, 5])).tolist() == [1, 2, 3, 5]
     # the rows of recent drafted steps decide once there are some (at any batch size)
     sure = DCutPolicy("auto", None, cost_model=costly_draft, measure=False)
     sure.remember(torch.ones(3, 7))
-    assert sure.step_kind(4, 4, 4, width=7) == "draft"
+    assert sure.step_kind(4, width=7) == "draft"
     hopeless = DCutPolicy("auto", None, cost_model=cheap_draft, lookup_tokens=4, measure=False)
     hopeless.remember(torch.full((3, 7), 0.01))
-    assert hopeless.step_kind(4, 4, 4, width=7) == "lookup"
+    assert hopeless.step_kind(4, width=7) == "lookup"
     # catching up: a drafting call that first ingests many pending features is planned with their cost
     ingesting = CostModel((1.0, 0.05, 0.02), (0.0, 0.0, 0.01))
-    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 4, 4, 7, features=4) == "draft"
-    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 4, 4, 7, 4000) == "plain"
+    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 7, features=4) == "draft"
+    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 7, 4000) == "plain"
+    # ... spread over the steps it opens, or over the tokens the rows have left where fewer (a burst's tail)
+    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 7, 400) == "draft"
+    assert DCutPolicy("auto", None, cost_model=ingesting, measure=False).step_kind(4, 7, 400, horizon=2) == "plain"
     for mode, value in (("full", None), ("depth", 2), ("budget", 8)):  # fixed modes draft whenever they can
-        assert DCutPolicy(mode, value, cost_model=costly_draft).step_kind(4, 4, 4, width=7) == "draft"
+        assert DCutPolicy(mode, value, cost_model=costly_draft).step_kind(4, width=7) == "draft"
+    # a pause is kept per batch size: drafting planned to lose at 32 rows pauses there, not at the 4 rows of a tail
+    per_row = DCutPolicy("auto", None, cost_model=CostModel((1.0, 0.05, 0.02), (0.0, 1.0)), probe_every=4,
+                         measure=False)
+    per_row.remember(torch.ones(3, 7))
+    assert [per_row.step_kind(n, width=7) for n in (32, 4, 32, 4)] == ["plain", "draft", "plain", "draft"]
+
+
+def test_a_step_that_prefills_is_planned_as_its_decoding_rows(targets):
+    """A prompt prefilled beside a decoding request makes the step slower, not a draft token cheaper: where drafting
+    would not pay for the decoding row alone, it does not run in the step that also prefills a long prompt (planned
+    against the whole step, it did: 0.14 tokens/s plain against 0.22 drafted under this cost model)."""
+    target, _ = targets
+    cost = CostModel((1.0, 0.05, 0.1), (3.0, 0.0))  # a 60-token prompt is 6 of the step's 7.2 seconds
+    engine = SpeculativeEngine(target, tiny_drafter("dfly", target), verify="auto", max_batch_size=4,
+                               cost_model=cost, measure_rates=False)
+    engine.policy.remember(torch.full((3, 7), 0.2))
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=20))
+    engine.step()  # prefill
+    engine.add_request([3 + i % 4 for i in range(60)], SamplingParams(max_new_tokens=4))
+    engine.step()
+    trace = engine.last_step
+    assert trace.prefill[0] == 60 and trace.choice == "plain", (trace.prefill, trace.choice)
+    sure = SpeculativeEngine(target, tiny_drafter("dfly", target), verify="auto", max_batch_size=4, cost_model=cost,
+                             measure_rates=False)  # the same step with drafts that would pay: it drafts
+    sure.policy.remember(torch.ones(3, 7))
+    sure.add_request([5, 6, 7], SamplingParams(max_new_tokens=20))
+    sure.step()
+    sure.add_request([3 + i % 4 for i in range(60)], SamplingParams(max_new_tokens=4))
+    sure.step()
+    assert sure.last_step.prefill[0] == 60 and sure.last_step.choice == "speculative"
 
 
 def test_lookup_steps_keep_greedy_output(targets):

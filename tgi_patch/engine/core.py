@@ -186,8 +186,7 @@ class SpeculativeEngine:
         # 1. draft; 2. choose what to verify
         proposal = self._propose(batch)
         accept = self._acceptance(proposal.conf, proposal.lookup)
-        depth = self._select(accept, proposal.num_drafted, len(batch), batch.base_tokens, batch.num_decode, trace,
-                             batch.sampled, proposal)
+        depth = self._select(accept, proposal.num_drafted, batch.num_decode, trace, batch.sampled, proposal)
         # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
         forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
         # 4. verify every request in one call
@@ -213,7 +212,8 @@ class SpeculativeEngine:
                 width = 0
             pending = self.runner.pending(batch.slots[dec]) if self.batch_drafter else None
             catch_up = batch.num_decode * int(pending.max()) if self.batch_drafter else 0
-            kind = self.policy.step_kind(batch.num_decode, len(batch), batch.base_tokens, width, catch_up)
+            horizon = int(batch.remaining[dec].float().mean())
+            kind = self.policy.step_kind(batch.num_decode, width, catch_up, horizon)
         if kind in ("draft", "probe"):
             rows = self.policy.probe_rows(pending, batch.remaining[dec]) if kind == "probe" else None
             draft_rows = batch.num_decode if rows is None else len(rows)
@@ -253,7 +253,7 @@ class SpeculativeEngine:
             drafted = torch.zeros_like(drafted).index_fill_(0, rows, True)
         chosen = [r for r, d in zip(requests, drafted.tolist()) if d]
         k = self.policy.draft_width(self.batch_drafter.num_draft_tokens)
-        keep_going = self.policy.drafting_bound(remaining[drafted], len(batch), batch.base_tokens, batch.num_decode)
+        keep_going = self.policy.drafting_bound(remaining[drafted], batch.num_decode)
         select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence)
         tokens, probs, conf = self.runner.draft(batch.slots[dec][drafted], k, select, keep_going)
         width = tokens.shape[1]  # k, or fewer where `keep_going` stopped
@@ -362,14 +362,14 @@ class SpeculativeEngine:
         return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, self.plan_acceptance,
                                   drafted)
 
-    def _select(self, accept, num_drafted, rows, base_tokens, n_dec, trace, sampled, proposal=None) -> torch.Tensor:
+    def _select(self, accept, num_drafted, n_dec, trace, sampled, proposal=None) -> torch.Tensor:
         """D-Cut's depth `[B]` per row (`DCutPolicy.select`) for the step's `proposal` (None: a drafted one), recorded
         in `trace`."""
         if accept is None:
             return torch.zeros_like(num_drafted)
         drafted, full = (True, None) if proposal is None else (proposal.drafted, proposal.full_rows)
-        depth, survival = self.policy.select(accept, num_drafted, rows, base_tokens, n_dec, sampled,
-                                             self.plan_acceptance, drafted, full)
+        depth, survival = self.policy.select(accept, num_drafted, n_dec, sampled, self.plan_acceptance, drafted,
+                                             full)
         trace.survival = survival.tolist()
         trace.budget = int(depth.sum())
         return depth

@@ -374,15 +374,19 @@ class DCutPolicy:
     while a step planned under the cost model beats a plain one (`drafting_may_pay`): the drafting call, its
     catch-up on the features the rows have pending, and every row's draft planned like the rows of the recent
     drafted steps, at any batch size (`remember`; before any, with the acceptance each draft position has had so far).
-    On this project's 2-core CPU a drafting call is not paid back from about 8 requests up. Each kind also backs off
-    to plain steps (for `probe_every` steps, doubling while it keeps losing, up to 8x) when the speculative steps
-    measured at this batch size (`MeasuredRates`, with `measure=True`) have delivered fewer tokens per second than
-    the plain ones, and the drafter also while the plan says it would lose; the step after a pause is a probe. A
+    On this project's 2-core Xeon a drafting call is not paid back from about 16 requests up. Each kind also backs
+    off, at each batch size on its own (`backoff`), to plain steps (for `probe_every` steps, doubling while it keeps
+    losing, up to 8x) when the speculative steps measured at this batch size (`MeasuredRates`, with `measure=True`)
+    have delivered fewer tokens per second than the plain ones, and the drafter also while the plan says it would
+    lose; the step after a pause is a probe. A
     probe after a measured loss drafts every row, to measure again; one after a planned loss drafts only the
     `PROBE_ROWS` rows with the fewest pending features (their verified confidences refresh the plan at the cost of
     a small drafting call, where a full one at 32 requests cost two plain steps). A cost model profiled on an idle
-    machine, or calibration still learning, cannot then make batched decoding slower for long. The decisions read
-    only past steps and row positions, so they keep sampling exact."""
+    machine, or calibration still learning, cannot then make batched decoding slower for long. A step that also
+    prefills prompts is planned as its decoding rows alone: the prompts' share of the forward is spent whatever is
+    drafted or verified, and pricing draft tokens against the whole, slower step made them look cheap (with clients
+    sending several requests each, the steps that prefilled a new request were the ones that drafted). The decisions
+    read only past steps and row positions, so they keep sampling exact."""
 
     PROBE_ROWS = 4  # rows a probe after a planned loss drafts
     RECENT_ROWS = 256  # drafted rows the plan remembers
@@ -398,10 +402,18 @@ class DCutPolicy:
         self.lookup_calibrator = AcceptanceCalibrator(prior=0.5)
         self.lookup_tokens, self.lookup_max_ngram = lookup_tokens, lookup_max_ngram
         self.probe_every = probe_every
-        self.drafter_backoff = BackOff(probe_every, 8 * probe_every)
-        self.lookup_backoff = BackOff(probe_every, 8 * probe_every)
+        self._backoffs: dict[tuple[str, int], BackOff] = {}  # ("drafter" | "lookup", batch-size bucket)
         self.measured = MeasuredRates() if measure else None
         self._recent: torch.Tensor | None = None  # [M, K] planned survival of the last drafted rows (`remember`)
+
+    def backoff(self, option: str, n_dec: int) -> BackOff:
+        """The back-off of `option` ("drafter" or "lookup") at the batch size of `n_dec` decoding rows (the buckets of
+        `MeasuredRates`): a loss at 32 requests pauses drafting there, not at the 4 a burst's tail leaves, where the
+        plan and the rates are those of 4 rows."""
+        key = (option, MeasuredRates.bucket(n_dec))
+        if key not in self._backoffs:
+            self._backoffs[key] = BackOff(self.probe_every, 8 * self.probe_every)
+        return self._backoffs[key]
 
     @property
     def cost_model(self) -> CostModel:
@@ -413,27 +425,29 @@ class DCutPolicy:
         return self._cost_model
 
     # ---- before drafting ---------------------------------------------------------------------------------------------
-    def step_kind(self, n_dec: int, rows: int, base_tokens: int, width: int, features: int = 0) -> str:
-        """"draft", "probe", "lookup" or "plain" for a step of `rows` requests (`n_dec` decoding; `base_tokens` in the
-        target forward before any draft) whose drafter would draft `width` tokens (0: no drafter) after ingesting
-        `features` padded pending feature positions. Every mode but "auto" drafts whenever it can."""
+    def step_kind(self, n_dec: int, width: int, features: int = 0, horizon: int | None = None) -> str:
+        """"draft", "probe", "lookup" or "plain" for a step with `n_dec` requests decoding whose drafter would draft
+        `width` tokens (0: no drafter) after ingesting `features` padded pending feature positions; `horizon`: the
+        tokens those requests have left, on average (None: plenty). Every mode but "auto" drafts whenever it can."""
         if self.mode != "auto":
             return "draft" if width else "plain"
         if self.measured is not None and self.measured.plain_due(n_dec, self.probe_every):
             return "plain"  # a batch size measured speculating but never plain: measure plain, 1 step in probe_every
+        drafter = self.backoff("drafter", n_dec)
         if width and self._drafter_allowed(n_dec):
-            if self.drafting_may_pay(rows, base_tokens, n_dec, width, features):
+            if self.drafting_may_pay(n_dec, width, features, horizon):
                 if not self._drafter_loses(n_dec):
-                    self.drafter_backoff.reset()
+                    drafter.reset()
                 return "draft"
-            if self.drafter_backoff.probing:
+            if drafter.probing:
                 return "probe" if n_dec > self.PROBE_ROWS else "draft"
-            self.drafter_backoff.lost()  # planned not to pay: lookups or plain steps, then a probe re-plans it
+            drafter.lost()  # planned not to pay: lookups or plain steps, then a probe re-plans it
         if self.uses_lookup:
             losing = self.measured is not None and self.measured.loses(n_dec, LOOKUP)
-            if self.lookup_backoff.allows(losing):
+            lookup = self.backoff("lookup", n_dec)
+            if lookup.allows(losing):
                 if not losing:
-                    self.lookup_backoff.reset()
+                    lookup.reset()
                 return "lookup"
         return "plain"
 
@@ -457,7 +471,7 @@ class DCutPolicy:
         return self._drafter_allowed(n_dec)
 
     def _drafter_allowed(self, n_dec: int) -> bool:
-        return self.drafter_backoff.allows(self._drafter_loses(n_dec))
+        return self.backoff("drafter", n_dec).allows(self._drafter_loses(n_dec))
 
     def _drafter_loses(self, n_dec: int) -> bool:
         """Have drafted steps at this batch size measured slower than the steps taken without the drafter: plain
@@ -469,11 +483,11 @@ class DCutPolicy:
             return False
         return self.measured.loses(n_dec, True, UNDRAFTED if self.uses_lookup else MeasuredRates.PLAIN)
 
-    def drafting_may_pay(self, rows: int, base_tokens: int, n_dec: int, width: int, features: int = 0) -> bool:
+    def drafting_may_pay(self, n_dec: int, width: int, features: int = 0, horizon: int | None = None) -> bool:
         """Could a drafted step beat a plain one? Planned before drafting under the cost model: the drafting call for
         the `n_dec` decoding rows plus its catch-up (ingesting `features` padded pending feature positions, shared by
-        the `probe_every` drafted steps it opens: after that the drafter has only each step's accepted tokens to
-        read), and every row's draft planned like the recently drafted rows (`remember`), D-Cut verifying the tokens
+        the `probe_every` drafted steps it opens, or by the `horizon` tokens the rows have left on average where that
+        is fewer: after that the drafter has only each step's accepted tokens to read), and every row's draft planned like the recently drafted rows (`remember`), D-Cut verifying the tokens
         most likely to be accepted first; before any, every row planned with the acceptance each draft position has
         had so far (`AcceptanceCalibrator.position_rates`, its prior until observed). Any number of verified tokens
         beating a plain step says yes."""
@@ -484,9 +498,9 @@ class DCutPolicy:
         gain = n_dec * (1 + per_row.cumsum(0) / m)  # after the best 1, 2, ... tokens of every m remembered rows
         extra = n_dec * torch.arange(1, len(per_row) + 1, dtype=torch.float64) / m
         a, b, c = cost.verify_coef
-        seconds = ((a + b * rows + c * (base_tokens + extra)).clamp(min=1e-6) + cost.draft(n_dec)
-                   + cost.ingest(features) / self.probe_every)
-        plain = n_dec / cost.verify(rows, base_tokens)
+        seconds = ((a + b * n_dec + c * (n_dec + extra)).clamp(min=1e-6) + cost.draft(n_dec)
+                   + cost.ingest(features) / max(1, min(self.probe_every, horizon or self.probe_every)))
+        plain = n_dec / cost.verify(n_dec, n_dec)
         return bool((gain / seconds > plain).any())
 
     def remember(self, survival: torch.Tensor) -> None:
@@ -530,16 +544,16 @@ class DCutPolicy:
             return min(num_draft_tokens, self.mode_value)
         return num_draft_tokens
 
-    def drafting_bound(self, remaining, rows: int, base_tokens: int, n_dec: int):
+    def drafting_bound(self, remaining, n_dec: int):
         """`keep_going` for drafting in "auto" mode (None otherwise): position j + 1 can be worth verifying only while
-        some decoding request's calibrated survival through j is at least `c · n_dec / verify(rows, base_tokens)` (an
+        some decoding request's calibrated survival through j is at least `c · n_dec / verify(n_dec, n_dec)` (an
         extra verified token costs c seconds; below that bound it adds fewer tokens per second than a plain step
         makes). Survival uses the confidences of positions up to j, known before token j is drawn, so stopping here
         keeps sampling exact. remaining `[n_dec]`: tokens each decoding request may still generate."""
         if self.mode != "auto":
             return None
         cost = self.cost_model
-        bound = cost.verify_coef[2] * n_dec / cost.verify(rows, base_tokens)
+        bound = cost.verify_coef[2] * n_dec / cost.verify(n_dec, n_dec)
         survival = torch.ones(len(remaining), device=remaining.device)
 
         def keep_going(conf, j):
@@ -607,10 +621,10 @@ class DCutPolicy:
             accept = torch.where(lookup[:, None], self.lookup_calibrator(conf), accept)
         return accept
 
-    def select(self, accept, num_drafted, rows: int, base_tokens: int, n_dec: int, sampled, plan=plan_acceptance,
-               drafted: bool = True, drafter_rows=None):
-        """How many draft tokens each row verifies, `depth [B]`, and every position's survival `[B, K]`, for a step of
-        `rows` requests whose target forward has `base_tokens` tokens before any draft (`n_dec` rows decoding);
+    def select(self, accept, num_drafted, n_dec: int, sampled, plan=plan_acceptance, drafted: bool = True,
+               drafter_rows=None):
+        """How many draft tokens each row verifies, `depth [B]`, and every position's survival `[B, K]`, for a step
+        with `n_dec` rows decoding;
         `drafted`: the drafter ran (False: a lookup step, whose proposals cost nothing to make); `drafter_rows [B]`
         (bool): rows carrying the drafter's whole block, which "auto" remembers for its next plans."""
         if self.mode == "depth":
@@ -620,13 +634,13 @@ class DCutPolicy:
         if self.mode == "budget":
             depth, survival, _ = kernels.dcut_select(accept, num_drafted, self.mode_value)
             return depth, survival
-        return self._select_auto(accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted, drafter_rows)
+        return self._select_auto(accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows)
 
-    def _select_auto(self, accept, num_drafted, rows, base_tokens, n_dec, sampled, plan, drafted, drafter_rows):
+    def _select_auto(self, accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows):
         """The budget that maximises expected tokens per second under the cost model, planned with `plan`; a sampled
         row verifies every position whose survival clears the plan's lowest chosen survival."""
         max_extra = int(num_drafted.sum())
-        costs = self.cost_model.step_costs(rows, base_tokens, max_extra, drafted=drafted, device=accept.device)
+        costs = self.cost_model.step_costs(n_dec, n_dec, max_extra, drafted=drafted, device=accept.device)
         depth, planned, _ = kernels.dcut_select(plan(accept, sampled), num_drafted, max_extra, costs, float(n_dec))
         ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
         valid = ar < num_drafted[:, None]

@@ -40,11 +40,6 @@ class ScheduledBatch:
         """The prompts of the requests prefilled this step."""
         return [r.prompt for r in self.requests[: self.num_prefill]]
 
-    @property
-    def base_tokens(self) -> int:
-        """Tokens of the step's target forward before any draft token: prompts prefilled, one per decoding row."""
-        return sum(len(p) for p in self.prompts) + self.num_decode
-
 
 class Scheduler:
     def __init__(self, max_batch_size: int, max_prefill_tokens: int, release: Callable[[int], None]):
