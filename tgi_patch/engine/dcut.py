@@ -487,10 +487,11 @@ class DCutPolicy:
         """Could a drafted step beat a plain one? Planned before drafting under the cost model: the drafting call for
         the `n_dec` decoding rows plus its catch-up (ingesting `features` padded pending feature positions, shared by
         the `probe_every` drafted steps it opens, or by the `horizon` tokens the rows have left on average where that
-        is fewer: after that the drafter has only each step's accepted tokens to read), and every row's draft planned like the recently drafted rows (`remember`), D-Cut verifying the tokens
-        most likely to be accepted first; before any, every row planned with the acceptance each draft position has
-        had so far (`AcceptanceCalibrator.position_rates`, its prior until observed). Any number of verified tokens
-        beating a plain step says yes."""
+        is fewer: after that the drafter has only each step's accepted tokens to read), and every row's draft planned
+        like the recently drafted rows (`remember`), D-Cut verifying the tokens most likely to be accepted first;
+        before any, every row planned with the acceptance each draft position has had so far
+        (`AcceptanceCalibrator.position_rates`, its prior until observed). Any number of verified tokens beating a
+        plain step says yes."""
         cost = self.cost_model
         survival = self._recent_survival(width)
         per_row = survival.reshape(-1).sort(descending=True).values.double()
