@@ -28,17 +28,27 @@ from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 
 
 class TracedEngine(SpeculativeEngine):
-    """Keeps every step's trace (`last_step`) with the wall time of the whole step."""
+    """Keeps every step's trace (`last_step`) with the wall time of the whole step, and what D-Cut expected of it: the
+    accepted tokens (the sum of the verified positions' calibrated survival) and the target forward's seconds (the
+    cost model's verify line as it stood before the step)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.traces = []
 
     def step(self):
+        cost = self.policy._cost_model
+        coef = cost.verify_coef if cost is not None else None
         start = time.perf_counter()
         events = super().step()
         if self.last_step is not None:
-            self.traces.append((self.last_step, time.perf_counter() - start))
+            t = self.last_step
+            expected = sum(sum(s[:d]) for s, d, n in zip(t.survival, t.verified, t.prefill) if n == 0)
+            n_dec = sum(1 for n in t.prefill if n == 0)
+            predicted = None
+            if coef is not None and n_dec and not any(t.prefill):
+                predicted = max(coef[0] + coef[1] * n_dec + coef[2] * (n_dec + t.verified_tokens), 0.0)
+            self.traces.append((t, time.perf_counter() - start, expected, predicted))
             self.last_step = None
         return events
 
@@ -74,13 +84,15 @@ def main() -> None:
         assert run.pop("outputs") == base.pop("outputs"), "D-Cut's greedy output differs from plain decoding's"
         print(f"\npass {p + 1}: plain {base['throughput']:.1f} tok/s, D-Cut {run['throughput']:.1f} tok/s "
               f"({run['throughput'] / base['throughput']:.2f}x), tau {run['tau']:.2f}")
-        print("step  decoding  prefill  kind         verified  accepted      ms")
+        print("step  decoding  prefill  kind         verified  accepted  expected      ms  verify ms  predicted")
         by_kind = collections.defaultdict(lambda: [0, 0.0, 0])
-        for i, (t, seconds) in enumerate(engine.traces):
+        for i, (t, seconds, expected, predicted) in enumerate(engine.traces):
             decoding = sum(1 for n in t.prefill if n == 0)
             accepted = sum(a for a, n in zip(t.accepted, t.prefill) if n == 0)
+            verify = (seconds - t.draft_seconds) * 1e3
+            guess = f"{predicted * 1e3:9.0f}" if predicted is not None else " " * 9
             print(f"{i:4d}  {decoding:8d}  {len(t.prefill) - decoding:7d}  {t.choice:<11}  {t.verified_tokens:8d}  "
-                  f"{accepted:8d}  {seconds * 1e3:6.0f}")
+                  f"{accepted:8d}  {expected:8.1f}  {seconds * 1e3:6.0f}  {verify:9.0f}  {guess}")
             k = by_kind[t.choice]
             k[0], k[1], k[2] = k[0] + 1, k[1] + seconds, k[2] + decoding + accepted
         for kind, (n, seconds, tokens) in sorted(by_kind.items()):

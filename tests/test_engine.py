@@ -217,6 +217,26 @@ def test_calibrator_learns_each_draft_position_separately():
     assert sum(row["count"] for row in cal.reliability()) == 400 + 400 + 200
 
 
+def test_a_refined_cost_model_never_prices_a_verified_token_below_half_its_profile():
+    """At one batch size a slow step with few tokens (the first decode step after a burst's prefill) tilts the fitted
+    token slope below zero, and "auto" then verified almost everything drafted; the slope is floored at half the
+    profile's."""
+    samples = [{"rows": r, "tokens_per_row": t, "verify": 0.05 + 0.002 * r + 0.001 * r * t}
+               for r in (1, 8, 32) for t in (1, 8)]
+
+    def refined(floor):
+        model = CostModel((0.05, 0.002, 0.001), (0.0, 0.0), samples)
+        model.TOKEN_FLOOR = floor
+        model.refine()
+        for _ in range(40):  # 32 rows: slow with few tokens, fast with many (a slope the fit must not follow)
+            model.observe_verify(32, 40, 0.6)
+            model.observe_verify(32, 240, 0.15)
+        return model.verify_coef[2]
+
+    assert refined(CostModel.TOKEN_FLOOR) == pytest.approx(0.0005)
+    assert refined(-1e9) < 0  # the data alone would say so
+
+
 def test_cost_model_is_profiled_once_and_cached(targets, tmp_path):
     target, _ = targets
     drafter = tiny_drafter("dflash", target)

@@ -298,7 +298,7 @@ class SpeculativeEngine:
         trace.drafted_tokens = int(proposal.num_drafted.sum())
         trace.verified_tokens = int(depth.sum())
         trace.pruned_tokens = trace.drafted_tokens - trace.verified_tokens
-        trace.seconds = seconds
+        trace.seconds, trace.draft_seconds = seconds, proposal.draft_seconds
         self.last_step = trace
         t = self.totals
         t["steps"] += 1

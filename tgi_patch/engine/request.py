@@ -74,6 +74,7 @@ class StepTrace:
     pruned_tokens: int = 0
     drafted_tokens: int = 0
     seconds: float = 0.0
+    draft_seconds: float = 0.0  # of `seconds`, the drafting call's
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
