@@ -190,10 +190,8 @@ class CostModel:
         self._draft_fit = OnlineLeastSquares([[1.0, r, f] for r, f in drafts], [self.draft(r, f) for r, f in drafts],
                                              **fit)
         self._observed = 0
-        profiled = [s for s in self.samples if "verify" in s]  # the profile's own slope, not a refined one
-        slope = self.verify_coef[2] if len(profiled) < 3 else _fit(
-            [[1.0, s["rows"], s["rows"] * s["tokens_per_row"]] for s in profiled], [s["verify"] for s in profiled])[2]
-        self._token_floor = self.TOKEN_FLOOR * max(slope, 0.0)
+        slope = _verify_line(self.samples)[2]  # the profile's own slope, not a refined one
+        self._token_floor = self.TOKEN_FLOOR * max(self.verify_coef[2] if slope is None else slope, 0.0)
 
     @property
     def refining(self) -> bool:
@@ -243,25 +241,34 @@ def _fit(features: list[list[float]], times: list[float]) -> tuple[float, ...]:
     return tuple(float(c) for c in coef)
 
 
+def _verify_line(samples: list[dict]) -> tuple:
+    """`(a, b, c)` of `a + b·rows + c·tokens` fitted on profile samples (`rows`, `tokens_per_row`, `verify` seconds);
+    `(None, None, None)` with fewer than 3."""
+    timed = [s for s in samples if "verify" in s]
+    if len(timed) < 3:
+        return None, None, None
+    return _fit([[1.0, s["rows"], s["rows"] * s["tokens_per_row"]] for s in timed], [s["verify"] for s in timed])
+
+
 def profile_cost_model(runner, rows=(1, 2, 4, 8, 16, 32), tokens_per_row=(1, 2, 4, 8), context=32, repeats=2,
                        time_limit: float = 20.0, draft_features=(1, 128)) -> CostModel:
     """Measure verification (and drafting) steps of a model runner's models (`runner.time_dummy_steps`) on dummy
     sequences of `context` tokens, for batch sizes up to `runner.max_batch_size`, smallest first, stopping after about
     `time_limit` seconds; drafting calls after each of `draft_features` pending features per row."""
     rows = [r for r in rows if r <= runner.max_batch_size] or [1]
-    verify_x, verify_t, draft_x, draft_t, samples = [], [], [], [], []
+    draft_x, draft_t, samples = [], [], []
     start = time.perf_counter()
     for b in rows:
         if time.perf_counter() - start > time_limit and len({s["rows"] for s in samples}) >= 2:
             break
         for sample in runner.time_dummy_steps(b, list(tokens_per_row), context, repeats, draft_features):
             samples.append(sample)
-            verify_x.append([1.0, b, b * sample["tokens_per_row"]])
-            verify_t.append(sample["verify"])
             if "draft" in sample:
                 draft_x.append([1.0, b, b * sample["draft_features"]])
                 draft_t.append(sample["draft"])
-    verify_coef = _fit(verify_x, verify_t) if len(verify_t) >= 3 else (statistics.mean(verify_t), 0.0, 0.0)
+    verify_coef = _verify_line(samples)
+    if verify_coef[2] is None:  # too few samples for a line: their mean
+        verify_coef = (statistics.mean(s["verify"] for s in samples), 0.0, 0.0)
     if len({x[1] for x in draft_x}) >= 2:  # rows and features both varied
         draft_coef = _fit(draft_x, draft_t)
     elif draft_x:  # one batch size: its cost, and the slope in features
