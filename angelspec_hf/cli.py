@@ -141,7 +141,8 @@ def cmd_serve(args) -> int:
     print(f"linear kernels: {kernels}")
     if args.verify == "auto":
         print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)
-    engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size)
+    engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size,
+                               kv_cache_tokens=args.kv_cache_tokens)
     max_total = min(args.max_total_tokens, engine.max_total_tokens)
     app = create_app(
         engine, tokenizer, model_id,
@@ -281,6 +282,8 @@ def main(argv=None) -> int:
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     srv.add_argument("--max-concurrent-requests", type=int, default=128, help="beyond this: 429 overloaded")
+    srv.add_argument("--kv-cache-tokens", type=int, default=None,
+                     help="tokens the KV pools hold before they grow (default: 1024 per --max-batch-size)")
     srv.add_argument("--max-input-tokens", type=int, default=1024)
     srv.add_argument("--max-total-tokens", type=int, default=2048, help="input + new tokens per request")
     srv.add_argument("--max-stop-sequences", type=int, default=4)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
-from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
+from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, generate_batch
 from angelspec_hf.tgi_patch.engine.paged import PagedKVPool
 from helpers import tiny_drafter, tiny_target
 
@@ -296,6 +296,41 @@ def test_pages_return_to_the_free_list(targets, family):
         _check_pools(engine, idle=True)
         assert engine.pool.num_free_pages == engine.pool.total_pages - 1
         assert most_pages >= 3  # sequences crossed page boundaries
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_pages_are_never_read_before_they_are_written(targets, family, monkeypatch):
+    """The KV pools are allocated uninitialised (`torch.empty`; only the reserved page 0 is zeroed), so no output may
+    depend on what a page held before a key was written to it. Every other page of the target's and the drafter's
+    pools is poisoned with NaN, and so is every page a pool grows by: greedy outputs still equal plain decoding's,
+    with pools sized up front by `kv_cache_tokens` (they never grow) and with pools of one page that grow."""
+    target, _ = targets
+    drafter = _drafter(family, target)
+    grow = PagedKVPool._grow
+
+    def poisoned_grow(pool, min_free):
+        old = pool.k.shape[1]
+        grow(pool, min_free)
+        pool.k[:, old:], pool.v[:, old:] = float("nan"), float("nan")
+
+    monkeypatch.setattr(PagedKVPool, "_grow", poisoned_grow)
+    reference = generate_batch(target, None, PROMPTS, max_new_tokens=20, verify=0, max_batch_size=3)
+    for kv_cache_tokens, grows in ((4096, False), (16, True)):
+        engine = SpeculativeEngine(target, drafter, verify="full", max_batch_size=3, kv_cache_tokens=kv_cache_tokens)
+        pools = (engine.pool, engine.batch_drafter.pool)
+        for pool in pools:
+            assert not pool.k[:, : pool.page_size].any() and not pool.v[:, : pool.page_size].any()  # page 0: zeros
+            pool.k[:, pool.page_size:], pool.v[:, pool.page_size:] = float("nan"), float("nan")
+        pages = [pool.total_pages for pool in pools]
+        outputs = generate_batch(target, drafter, PROMPTS, max_new_tokens=20, engine=engine)
+        assert outputs == reference, kv_cache_tokens
+        assert [pool.total_pages > n for pool, n in zip(pools, pages)] == [grows, grows]
+        assert engine.stats["accepted"] > 0  # drafts were verified against the poisoned pools
+
+
+def test_kv_cache_tokens_must_be_positive(targets):
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        SpeculativeEngine(targets[0], None, verify=0, kv_cache_tokens=0)
 
 
 def test_pool_accounting_check_catches_leaks_and_double_frees():

@@ -76,11 +76,16 @@ class SpeculativeEngine:
     backing off to plain steps when speculation does not pay, planned or measured), "budget:N", "depth:N" or "full".
     `cost_model`: a fixed `CostModel` (else profiled once and cached in `cost_model_cache`). `lookup_tokens`: n-gram
     lookup proposals (default: the drafter config's). `measure_rates=False` turns off the measured-rate back-off
-    (decisions then do not depend on this machine's timing)."""
+    (decisions then do not depend on this machine's timing). `kv_cache_tokens`: the tokens the target's and the
+    drafter's KV pools hold before they grow (default `max_batch_size` x `KV_TOKENS_PER_SEQUENCE`); reserved, not
+    written, so on CPU memory is used only as tokens are held (on a GPU it is allocated up front, as TGI's
+    warm-up allocates its KV blocks), and a pool that must grow copies itself once per doubling."""
+
+    KV_TOKENS_PER_SEQUENCE = 1024
 
     def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
                  cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
-                 lookup_tokens: int | None = None, measure_rates: bool = True):
+                 lookup_tokens: int | None = None, measure_rates: bool = True, kv_cache_tokens: int | None = None):
         if drafter is not None:
             drafter.check_target(target)
         mode, mode_value = parse_verify(verify)
@@ -89,7 +94,11 @@ class SpeculativeEngine:
         self.target, self.drafter = target, drafter
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.runner = ModelRunner(target, drafter, max_batch_size)
+        if kv_cache_tokens is None:
+            kv_cache_tokens = max_batch_size * self.KV_TOKENS_PER_SEQUENCE
+        if kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
+        self.runner = ModelRunner(target, drafter, max_batch_size, kv_cache_tokens)
         self.device = self.runner.device
         config = target.config.get_text_config()
         self.vocab_size = config.vocab_size

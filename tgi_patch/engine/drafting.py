@@ -17,11 +17,11 @@ import torch
 
 from angelspec_hf.modeling.drafter_utils import DrafterPreTrainedModel
 
-from .paged import PagedKVPool, PoolDraftCache
+from .paged import PagedKVPool, PoolDraftCache, pages_for
 
 
 class BatchDrafter:
-    def __init__(self, drafter, target, max_seqs: int):
+    def __init__(self, drafter, target, max_seqs: int, kv_cache_tokens: int = 1024):
         drafter.check_target(target)
         if not isinstance(drafter, DrafterPreTrainedModel):
             raise TypeError(f"the batched engine drafts with AngelSpec drafters, not {type(drafter).__name__}")
@@ -31,7 +31,7 @@ class BatchDrafter:
         c = drafter.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.pool = PagedKVPool(c.num_hidden_layers, c.num_key_value_heads, head_dim, drafter.dtype, drafter.device,
-                                max_seqs)
+                                max_seqs, num_pages=pages_for(kv_cache_tokens))
         self.num_draft_tokens = drafter.num_draft_tokens
 
     def release(self, slot: int) -> None:

@@ -16,7 +16,7 @@ import torch
 from angelspec_hf.modeling.draft_policy import clock
 
 from .drafting import BatchDrafter
-from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep
+from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep, pages_for
 
 
 @dataclass
@@ -40,7 +40,7 @@ class PackedForward:
 
 
 class ModelRunner:
-    def __init__(self, target, drafter, max_batch_size: int):
+    def __init__(self, target, drafter, max_batch_size: int, kv_cache_tokens: int = 1024):
         self.target, self.drafter = target.eval(), drafter
         self.max_batch_size = max_batch_size
         self.device = next(target.parameters()).device
@@ -49,8 +49,9 @@ class ModelRunner:
             target.set_attn_implementation(RAGGED_ATTENTION)  # plain SDPA for every other call
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.pool = PagedKVPool(config.num_hidden_layers, config.num_key_value_heads, head_dim, target.dtype,
-                                self.device, max_batch_size)
-        self.batch_drafter = BatchDrafter(drafter, target, max_batch_size) if drafter is not None else None
+                                self.device, max_batch_size, num_pages=pages_for(kv_cache_tokens))
+        self.batch_drafter = (BatchDrafter(drafter, target, max_batch_size, kv_cache_tokens)
+                              if drafter is not None else None)
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         self.anchor = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         # Target features of accepted tokens the drafter has not ingested yet: one chunk per step, each row with its
