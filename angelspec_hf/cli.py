@@ -20,6 +20,17 @@ from angelspec_hf.cpu_kernels import add_linear_kernels_argument, use_linear_ker
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (so a bad size is refused before the model loads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _time_generate(target, input_ids, **kwargs):
     start = time.perf_counter()
     out = target.generate(input_ids, **kwargs)
@@ -280,9 +291,9 @@ def main(argv=None) -> int:
     srv.add_argument("--verify", default="auto", help="auto (D-Cut + cost model) | N (budget per step) | depth:K")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
-    srv.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
+    srv.add_argument("--max-batch-size", type=positive_int, default=32, help="requests decoded together")
     srv.add_argument("--max-concurrent-requests", type=int, default=128, help="beyond this: 429 overloaded")
-    srv.add_argument("--kv-cache-tokens", type=int, default=None,
+    srv.add_argument("--kv-cache-tokens", type=positive_int, default=None,
                      help="tokens the KV pools hold before they grow (default: 1024 per --max-batch-size)")
     srv.add_argument("--max-input-tokens", type=int, default=1024)
     srv.add_argument("--max-total-tokens", type=int, default=2048, help="input + new tokens per request")

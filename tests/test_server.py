@@ -360,6 +360,19 @@ def test_graceful_shutdown_finishes_in_flight_requests():
     assert not server.worker.alive and not engine.has_work()
 
 
+@pytest.mark.parametrize("flag, value", [("--kv-cache-tokens", "0"), ("--max-batch-size", "-3"),
+                                         ("--kv-cache-tokens", "many")])
+def test_cli_serve_refuses_bad_sizes_before_loading_anything(flag, value, capsys):
+    from angelspec_hf.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", flag, value])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert flag in err and ("at least 1" in err or "expected an integer" in err), err
+    assert "loading target" not in out
+
+
 @pytest.mark.real_model
 def test_cli_serve_and_sigint_mid_stream():
     """`angelspec serve` in its own process: it serves, and on SIGINT the open stream still completes before the
