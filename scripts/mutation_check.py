@@ -113,7 +113,8 @@ MUTATIONS = [
     # ---- caught before issue 11, for the record ----------------------------------------------------------------
     Mutation("accept one token too many (past the verified depth)", "tgi_patch/engine/kernels/reference.py",
              "in_depth = ar < depth[:, None]", "in_depth = ar <= depth[:, None]",
-             ["tests/test_engine.py::test_greedy_equals_plain_decoding_for_any_mix", REFERENCE_LAW], note="record"),
+             ["tests/test_engine.py::test_greedy_equals_plain_decoding_for_any_mix", REFERENCE_LAW,
+              f"{ENGINE_SAMPLING}[depth:2-T0.7]"], note="record"),
     Mutation("drop the bonus / correction token after accepted drafts", "tgi_patch/engine/scheduler.py",
              "count = 1 if first_step else n + 1", "count = 1 if first_step else max(n, 1)",
              ["tests/test_engine.py::test_greedy_equals_plain_decoding_for_any_mix", f"{ENGINE_SAMPLING}[full-T1]"],
