@@ -125,6 +125,23 @@ MUTATIONS = [
     Mutation("bonus token from the residual", "tgi_patch/engine/kernels/reference.py",
              "use_residual = rejected & (residual.sum(-1) > 0)", "use_residual = residual.sum(-1) > 0",
              [REFERENCE_LAW, f"{ENGINE_SAMPLING}[full-T1]"], note="record"),
+    # ---- issue 12: shadow probes (the hook's probes beside plain steps) ------------------------------------------
+    Mutation("shadow probe samples its token (draws from the generation's random stream)",
+             "modeling/candidate_generator.py",
+             "            peak, token = probs.max(dim=-1)\n            shadow.update(",
+             "            peak, token = probs.max(dim=-1)\n            token = torch.multinomial(probs, 1)[:, 0]\n"
+             "            shadow.update(",
+             ["tests/test_sampling.py::test_shadow_probes_leave_the_random_stream_alone"], note="issue 12"),
+    Mutation("shadow probe's acceptance is the chance that p's draw equals q's", "modeling/candidate_generator.py",
+             "return float(torch.minimum(p, draft_probs.to(p.device, torch.float32)).sum())",
+             "return float((p * draft_probs.to(p.device, torch.float32)).sum())",
+             ["tests/test_sampling.py::test_a_shadow_drafts_acceptance_is_speculative_samplings_acceptance_rate"],
+             note="issue 12"),
+    Mutation("shadow probe drafts without the plain steps' features", "modeling/candidate_generator.py",
+             "self._shadow_draft(input_ids, self._catch_up(context))",
+             "self._shadow_draft(input_ids, context)",
+             ["tests/test_draft_policy.py::test_a_shadow_draft_scores_the_first_token_as_verifying_it_would"],
+             note="issue 12"),
     # ---- issue 13: training lines up with drafting -------------------------------------------------------------
     Mutation("block training labels off by one (row k learns token a + k - 1)", "trainer/trainer.py",
              "labels = _gather_rows(input_ids, positions[..., 1:])",

@@ -89,8 +89,8 @@ def test_expected_rates_in_one_pass_are_the_per_position_recursion():
     assert policy.best_rate(6) == max(policy.expected_rates(6))
 
 
-def policy_with(step=(0.06, 0.003), draft=(0.0, 0.01), k=4):
-    return DraftLengthPolicy(RoundCosts(step, draft), k)
+def policy_with(step=(0.06, 0.003), draft=(0.0, 0.01), k=4, **kwargs):
+    return DraftLengthPolicy(RoundCosts(step, draft), k, **kwargs)
 
 
 def test_policy_drafts_what_pays_and_backs_off_when_nothing_does():
@@ -102,19 +102,56 @@ def test_policy_drafts_what_pays_and_backs_off_when_nothing_does():
         good.observe(3, 3, None, None)  # everything accepted
     assert good.start_round(4)
     assert all(good.keep_drafting(0.95, 4) for _ in range(3)) and not good.keep_drafting(0.95, 4)  # up to the cap
-    bad = policy_with(draft=(0.02, 0.03))  # expensive drafts that are never accepted
-    decisions = []
-    for _ in range(200):
-        drafted = bad.start_round(4)
-        decisions.append(drafted)
+    for shadows in (False, True):
+        bad = policy_with(draft=(0.02, 0.03), shadow_probes=shadows)  # expensive drafts that are never accepted
+        decisions = []
+        for _ in range(200):
+            drafted = bad.start_round(4)
+            decisions.append(drafted or bad.shadow_due)
+            assert not (drafted and bad.shadow_due)
+            if drafted:
+                assert not bad.keep_drafting(0.5, 4)  # one hopeless token, no more
+                bad.observe(1, 0, None, None)
+            elif bad.shadow_due:
+                bad.observe_shadow(0.5, 0.0, None)
+        probes = [i for i, d in enumerate(decisions) if d]
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert not decisions[0] and 3 <= len(probes) < 12  # plain from the start (the prior already says so), probes
+        assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
+        assert bad.expected_rate(1) < bad.expected_rate(0)
+
+
+def test_shadow_probes_learn_without_verifying_and_end_the_back_off():
+    """While the acceptance model says no, a probe is a shadow draft (no verified round); once the shadows show that
+    the drafter's first token is accepted, the back-off ends at once and rounds draft. While the measured rates say no,
+    probes stay drafted rounds: only those measure drafted rounds again."""
+    policy = policy_with(draft=(0.0, 0.001))
+    for _ in range(40):  # the drafter was never accepted: the model says no
+        if policy.start_round(4):
+            policy.keep_drafting(0.9, 4)
+            policy.observe(1, 0, None, None)
+        elif policy.shadow_due:
+            policy.observe_shadow(0.9, 0.0, None)
+    assert not policy.expected_to_pay(4) and policy.plain_left > 0
+    shadows, drafted = 0, False
+    for _ in range(200):  # the text changed: its first token is now always the target's
+        drafted = policy.start_round(4)
         if drafted:
-            assert not bad.keep_drafting(0.5, 4)  # one hopeless token, no more
-            bad.observe(1, 0, None, None)
-    probes = [i for i, d in enumerate(decisions) if d]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert not decisions[0] and 3 <= len(probes) < 12  # plain from the start (the prior already says so), probes
-    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
-    assert bad.expected_rate(1) < bad.expected_rate(0)
+            break
+        if policy.shadow_due:
+            shadows += 1
+            policy.observe_shadow(0.9, 1.0, 0.001)
+    assert drafted and shadows >= 1 and policy.expected_to_pay(4)
+
+    losing = policy_with(step=(0.02, 0.001), draft=(0.0, 0.001))
+    run_timed_rounds(losing, 120, drafted_seconds=0.2)  # drafted rounds deliver less than plain ones, as measured
+    assert losing.measured_loss() and losing.expected_to_pay(4)
+    kinds = []
+    for _ in range(200):
+        drafted = losing.start_round(4)
+        kinds.append("drafted" if drafted else "shadow" if losing.shadow_due else "plain")
+        losing.observe(int(drafted), int(drafted), None, None, round_seconds=0.2 if drafted else 0.05)
+    assert "drafted" in kinds and "shadow" not in kinds
 
 
 def run_timed_rounds(policy, rounds=300, drafted_seconds=0.11):
@@ -424,3 +461,74 @@ def test_lookup_length_weighs_lookups_against_the_drafter():
         strong.observe(4, 4, None, None)  # the drafter's blocks are always accepted whole
         strong.observe_lookup(1.0, 4, 1, None)  # lookups mostly fail after one token
     assert strong.lookup_length(1.0, 6, 4) == 0
+
+
+class AlwaysShadow(DraftLengthPolicy):
+    """Every round a plain step, one in `every` with a shadow draft beside it; records each shadow's round (0: the step
+    after the prefill), confidence and acceptance."""
+
+    def __init__(self, k, every=1):
+        super().__init__(RoundCosts((0.05, 0.001), (0.0, 0.001)), k)
+        self.shadows, self.every, self.round = [], every, -1
+
+    def start_round(self, max_tokens):
+        self.round += 1
+        self.shadow_due = max_tokens > 0 and self.round % self.every == 0
+        return False
+
+    def observe_shadow(self, confidence, accepted, draft_seconds):
+        self.shadows.append((self.round, confidence, accepted))
+
+
+class FirstTokenOnly(DraftLengthPolicy):
+    """Every round drafts and verifies one token; records each round's (tokens generated before it, confidence,
+    accepted)."""
+
+    def __init__(self, k):
+        super().__init__(RoundCosts((0.05, 0.001), (0.0, 0.001)), k)
+        self.rounds, self.generated = [], 1  # the prefill's token
+
+    def start_round(self, max_tokens):
+        self._round = []
+        return max_tokens > 0
+
+    def keep_drafting(self, confidence, max_tokens):
+        self._round.append(confidence)
+        return False
+
+    def observe(self, drafted, accepted, draft_seconds, step_seconds, round_seconds=None):
+        if drafted:
+            self.rounds.append((self.generated, self._round[0], accepted))
+        self.generated += 1 + accepted
+
+
+@pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
+def test_a_shadow_draft_scores_the_first_token_as_verifying_it_would(family):
+    """Greedy, every other round a shadow probe (plain steps between) against every round verifying one drafted
+    token: at every context both reach, the shadow's confidence and outcome equal the verified round's (so a shadow
+    reads every feature of the plain steps before it, and leaves the drafter state drafting leaves), and the output is
+    plain greedy's."""
+    target, twin = tiny_target(), tiny_target()
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    plain = twin.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    runs = {}
+    for name, make in (("shadow", lambda k: AlwaysShadow(k, every=2)), ("verified", FirstTokenOnly)):
+        drafter = tiny_drafter(family, target, draft_length="auto")
+        policy = make(drafter.num_draft_tokens)
+        drafter.draft_policy = lambda target, cache_dir=None: policy
+        out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.tolist() == plain.tolist()
+        runs[name] = (policy, drafter.last_speculation_stats)
+    (shadow, shadow_stats), (verified, _) = runs["shadow"], runs["verified"]
+    # 39 steps after the prefill (rounds 0-38); the last has no room for a draft token: shadows in rounds 0, 2, .., 36
+    assert shadow_stats.rounds == 0 and shadow_stats.shadow_probes == len(shadow.shadows) == 19
+    assert shadow_stats.plain_steps == 38 and shadow_stats.draft_seconds > 0
+    by_round = {r: (confidence, accepted) for r, confidence, accepted in shadow.shadows}
+    # round r's step comes after 1 + r generated tokens
+    pairs = [(by_round[generated - 1], (confidence, float(accepted > 0)))
+             for generated, confidence, accepted in verified.rounds if generated - 1 in by_round]
+    assert len(pairs) >= 4 and {a for (_, a), _ in pairs} <= {0.0, 1.0}
+    assert any(a for (_, a), _ in pairs)  # the skewed tiny target makes some first tokens right
+    for (confidence, accepted), (expected_confidence, expected_accepted) in pairs:
+        assert confidence == pytest.approx(expected_confidence, abs=1e-6) and accepted == expected_accepted

@@ -229,6 +229,56 @@ def test_ngram_lookup_rounds_keep_sampling_exact(target, monkeypatch):
         f"{accepted} accepted")
 
 
+def test_shadow_probes_leave_the_random_stream_alone(target):
+    """Probes beside plain steps (shadow drafts) draw no random numbers and change nothing that is sampled: with every
+    round a shadow probe, `generate(do_sample=True)` gives, seed for seed, plain sampling's tokens."""
+    from test_draft_policy import AlwaysShadow
+
+    drafter = peaked_drafter("dfly", target)
+    drafter.config.draft_length = "auto"
+    policy = AlwaysShadow(drafter.num_draft_tokens)
+    drafter.draft_policy = lambda target, cache_dir=None: policy
+    with single_thread():
+        for seed in range(6):
+            outs = []
+            for assistant in (None, drafter):
+                torch.manual_seed(seed)
+                outs.append(target.generate(PROMPT, do_sample=True, max_new_tokens=8, eos_token_id=None,
+                                            pad_token_id=0, assistant_model=assistant, **PROCESSING).tolist())
+            assert outs[0] == outs[1], seed
+    assert len(policy.shadows) == 6 * 6 and all(0.0 <= a <= 1.0 for _, _, a in policy.shadows)
+    assert 0.0 < sum(a for _, _, a in policy.shadows) < len(policy.shadows)
+
+
+def test_a_shadow_drafts_acceptance_is_speculative_samplings_acceptance_rate():
+    """`acceptance_probability(p, q)`, what a shadow probe learns at T > 0, is the rate at which transformers'
+    `_speculative_sampling` accepts a token drawn from q against p (Monte Carlo, 20,000 rounds); two wrong rules (the
+    chance that the target's own draw equals the draft's, the acceptance ratio at q's mode) are many standard errors
+    away on the same draws."""
+    from angelspec_hf.modeling.candidate_generator import acceptance_probability
+
+    generator = torch.Generator().manual_seed(3)
+    vocab, rounds = 12, 20_000
+    for case in range(3):
+        p_logits = torch.randn(vocab, generator=generator) * 1.5
+        q = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+        draws = torch.multinomial(q, rounds, replacement=True, generator=generator)
+        torch.manual_seed(case)
+        accepted = 0
+        new_logits = torch.stack([p_logits, p_logits])[None]  # the drafted position and the bonus one
+        for token in draws.tolist():
+            candidate = torch.tensor([[1, token]])
+            _, n_matches = generation_utils._speculative_sampling(candidate, q.log()[None, None], 1, new_logits)
+            accepted += int(n_matches)
+        rate = accepted / rounds
+        se = (rate * (1 - rate) / rounds) ** 0.5
+        p = torch.softmax(p_logits, -1)
+        wrong = {"the target's draw equals the draft's": float((p * q).sum()),
+                 "ratio at q's mode": float(torch.clamp(p[q.argmax()] / q.max(), max=1.0))}
+        assert abs(acceptance_probability(p_logits, q) - rate) < 4 * se, (case, rate)
+        assert all(abs(value - rate) > 10 * se for value in wrong.values()), (case, rate, wrong)
+
+
 def test_ngram_continuation():
     from angelspec_hf.modeling.candidate_generator import ngram_continuation
 

@@ -42,6 +42,13 @@ def ngram_continuation(ids: torch.LongTensor, max_ngram: int, num_tokens: int) -
     return [], 0
 
 
+def acceptance_probability(target_logits: torch.Tensor, draft_probs: torch.Tensor) -> float:
+    """The probability that speculative sampling accepts a draft token drawn from `draft_probs` (q) where the target's
+    processed logits are `target_logits` (p = their softmax): `sum_x q(x) min(1, p(x) / q(x)) = sum_x min(p(x), q(x))`."""
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return float(torch.minimum(p, draft_probs.to(p.device, torch.float32)).sum())
+
+
 def mean_accepted_length(accepted: int, rounds: int) -> float:
     """τ: tokens gained per target forward over `rounds` verification rounds that accepted `accepted` draft tokens in
     all, the bonus/correction token of each round included; NaN without rounds."""
@@ -58,6 +65,7 @@ class SpeculationStats:
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list[list[float]] = field(default_factory=list)
     plain_steps: int = 0  # target forwards without a draft (`draft_length="auto"` found drafting would not pay)
+    shadow_probes: int = 0  # plain steps beside which the drafter proposed a token only to learn its acceptance
     lookup_rounds: int = 0  # rounds that verified an n-gram lookup instead of the drafter's block (`lookup_tokens`)
     draft_seconds: float = 0.0  # time spent drafting (the drafter's forwards and token choices)
 
@@ -112,21 +120,25 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self._prefix = input_ids  # the context and the tokens drafted so far, for the logits processors
         self._pending: list[torch.Tensor] = []  # target features kept from plain rounds, not yet given to the drafter
         self._pending_length = 0
-        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None}
+        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None, "shadow": None}
         self._last_round_end: float | None = None
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.state = drafter.new_draft_state()
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
 
-    def _select(self, logits: torch.Tensor, j: int):
-        """`select` for `drafter.draft`: process draft position j's logits like the target's (same processors, over the
-        context and the tokens drafted so far), then pick: argmax or a sample. Returns `(token, processed logits,
-        peak probability)`."""
+    def _processed(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits processed like the target's (same processors, over the context and the tokens drafted so far),
+        and their softmax."""
         logits = logits.float()
         if self.logits_processor is not None and len(self.logits_processor) > 0:
             logits = self.logits_processor(self._prefix, logits)
-        probs = torch.softmax(logits, dim=-1)
+        return logits, torch.softmax(logits, dim=-1)
+
+    def _select(self, logits: torch.Tensor, j: int):
+        """`select` for `drafter.draft`: process draft position j's logits like the target's, then pick: argmax or a
+        sample. Returns `(token, processed logits, peak probability)`."""
+        logits, probs = self._processed(logits)
         if self.do_sample:
             token = torch.multinomial(probs, num_samples=1).squeeze(-1)
         else:
@@ -158,19 +170,20 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         ).to(drafter_device)
         num_tokens = max(0, min(self.drafter.num_draft_tokens, self.max_length - input_ids.shape[1] - 1))
         self._survival, self._max_tokens, self._round_probs = 1.0, num_tokens, []
-        self._round.update(drafted=0, draft_seconds=None, lookup=None)
+        self._round.update(drafted=0, draft_seconds=None, lookup=None, shadow=None)
         lookup = self._lookup(input_ids, num_tokens)
         if lookup is not None or (self.policy is not None and not self.policy.start_round(num_tokens)):
-            self._pending.append(context)  # no drafting: the drafter reads these features when it next drafts
-            self._pending_length += num_new
+            if lookup is None and self.policy is not None and self.policy.shadow_due:
+                self._shadow_draft(input_ids, self._catch_up(context))
+            else:
+                self._pending.append(context)  # no drafting: the drafter reads these features when it next drafts
+                self._pending_length += num_new
             self._round["returned_at"] = time.perf_counter()
             if lookup is None:
                 self.stats.plain_steps += int(num_tokens > 0)
                 return input_ids, None
             return lookup
-        if self._pending:
-            context = torch.cat(self._pending + [context], dim=1)
-            self._pending, self._pending_length = [], 0
+        context = self._catch_up(context)
         start = clock(drafter_device)
         self._prefix = input_ids.to(drafter_device)
         draft_ids, draft_logits = self.drafter.propose(
@@ -194,6 +207,44 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         candidates = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
         self._round["returned_at"] = drafted_at
         return candidates, draft_logits.to(input_ids.device)
+
+    def _catch_up(self, context: torch.Tensor) -> torch.Tensor:
+        """`context` preceded by the features kept from plain rounds, which the drafter is about to read."""
+        if self._pending:
+            context = torch.cat(self._pending + [context], dim=1)
+            self._pending, self._pending_length = [], 0
+        return context
+
+    def _shadow_draft(self, input_ids, context) -> None:
+        """A probe beside this round's plain step (`DraftLengthPolicy`): the drafter ingests `context` and proposes
+        its first token, which is not verified; `update_candidate_strategy` scores it against the target's distribution
+        at the step. Its token is the drafter's argmax even when sampling: nothing here draws a random number, so the
+        generation's random stream is the one it would have been without the probe."""
+        shadow = {}
+
+        def select(logits, j):
+            logits, probs = self._processed(logits)
+            peak, token = probs.max(dim=-1)
+            shadow.update(token=int(token[0]), probs=probs[0], confidence=float(peak[0]))
+            return token, None, peak
+
+        start = clock(self.drafter.device)
+        self._prefix = input_ids.to(self.drafter.device)
+        self.drafter.propose(self.state, context_hidden_states=context, input_ids=self._prefix, num_tokens=1,
+                             embed_tokens=self.target_embeddings, lm_head=self.target_lm_head, select=select)
+        seconds = clock(self.drafter.device) - start
+        self._round.update(shadow=shadow, draft_seconds=seconds)
+        self.stats.shadow_probes += 1
+        self.stats.draft_seconds += seconds
+
+    def _score_shadow(self, input_ids, scores) -> float:
+        """The probability that the shadow draft's token would have been accepted at the step just verified: greedy,
+        whether the target chose it; sampling, `acceptance_probability` of the drafter's q against the target's
+        processed distribution there."""
+        shadow = self._round["shadow"]
+        if not self.do_sample:
+            return float(int(input_ids[0, -1]) == shadow["token"])
+        return acceptance_probability(scores[0, -1], shadow["probs"])
 
     def _lookup(self, input_ids, num_tokens):
         """An n-gram lookup round, `(candidates, one-hot logits)`, when one is on offer and expected to beat both the
@@ -229,6 +280,10 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             if self._round["lookup"] is not None:
                 self.policy.observe_lookup(self._round["lookup"], self._round["drafted"], int(num_matches),
                                            now - returned_at)
+            elif self._round["shadow"] is not None:  # a plain step with a probe beside it: not a plain round's rate
+                self.policy.observe_shadow(self._round["shadow"]["confidence"], self._score_shadow(input_ids, scores),
+                                           self._round["draft_seconds"])
+                self.policy.observe(0, 0, None, now - returned_at)
             else:  # a whole round's wall time: from the end of the round (or prefill) before to now
                 round_seconds = None if self._last_round_end is None else now - self._last_round_end
                 self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],

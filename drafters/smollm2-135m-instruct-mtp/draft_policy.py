@@ -18,6 +18,14 @@ help, and better drafters turn directly into longer rounds.
 * What rounds actually delivered (`MeasuredRates`): tokens per second of drafted and of plain rounds, wall time
   included. When drafted rounds have delivered less, the policy backs off to plain steps whatever the model expects,
   so a wrong cost or acceptance estimate cannot make `generate` slower for long.
+* Probes while drafting is off. After `backoff` plain steps (the wait doubling up to `max_backoff`) drafting is
+  tried again. When the acceptance model is what says no, the probe is a *shadow draft*: the drafter proposes its
+  first token beside a plain step and the target's own distribution there tells how likely that token was to be
+  accepted (greedy: whether it is the target's token; sampling: `sum_x min(p(x), q(x))`, the acceptance probability
+  of speculative sampling), so position 0 is learned without verifying anything (a verifying step of 2 tokens cost
+  1.3-1.45 plain steps on this project's machines; a shadow draft a few hundredths of one). The output comes from the
+  plain step alone, and the shadow draws no random numbers. When the measured rates are what say no, the probe is a
+  drafted round, since only a drafted round can measure them again.
 
 The state lives on the drafter (`drafter.draft_policy`), so what one `generate` call learned serves the next; what
 depends on the text (the back-off and the measured rate of drafted rounds) starts afresh with each call.
@@ -412,11 +420,16 @@ class PositionCalibrator:
     def update(self, confidences: list[float], num_accepted: int) -> None:
         """One verified round: the drafted positions' confidences and how many were accepted."""
         for j, conf in enumerate(confidences[: num_accepted + 1]):  # after a rejection nothing more is learned
-            j_, b = min(j, self.trials.shape[0] - 1), self._bin(conf)
-            self.trials[j_, b] += 1
-            self.accepted[j_, b] += float(j < num_accepted)
-            self.position_trials[j_] += 1
-            self.position_accepted[j_] += float(j < num_accepted)
+            self.observe(j, conf, float(j < num_accepted))
+
+    def observe(self, position: int, confidence: float, accepted: float) -> None:
+        """One trial at `position`: `accepted` is 1 or 0, or the probability of acceptance where it is known exactly
+        (a shadow draft's), which counts as that expected outcome."""
+        j, b = min(position, self.trials.shape[0] - 1), self._bin(confidence)
+        self.trials[j, b] += 1
+        self.accepted[j, b] += accepted
+        self.position_trials[j] += 1
+        self.position_accepted[j] += accepted
 
 
 class DraftLengthPolicy:
@@ -425,7 +438,7 @@ class DraftLengthPolicy:
     SAVE_EVERY = 32  # timed rounds between write-backs of the refined costs to the cache file
 
     def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64,
-                 measure: bool = True):
+                 measure: bool = True, shadow_probes: bool = True):
         self.step = StepCost(*costs.step_coef, prior_span=max_tokens + 1, plain=costs.plain_step)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.costs_key, self.costs_path, self._timed = costs.key, costs.path, 0
@@ -435,6 +448,8 @@ class DraftLengthPolicy:
         self.max_tokens = max_tokens
         self.probe_every, self.max_backoff = probe_every, max_backoff
         self.backoff, self.plain_left, self.probe_due = probe_every, 0, False
+        # shadow_due: this round's plain step is a probe; the hook drafts one token beside it (`observe_shadow`)
+        self.shadow_probes, self.shadow_due = shadow_probes, False
         # what drafted and plain rounds have actually delivered, wall time included (None: `measure=False`)
         self.measured = MeasuredRates() if measure else None
         self._round: list[float] = []
@@ -476,6 +491,7 @@ class DraftLengthPolicy:
         retried (a probe) after `backoff` plain steps, the wait doubling while drafting keeps losing. While only
         drafted rounds have been measured, one round in `probe_every` is plain, to measure that too."""
         self._round, self._survival, self._expected = [], 1.0, 1.0
+        self.shadow_due = False
         if max_tokens < 1:
             return False
         if self.plain_left > 0:
@@ -483,16 +499,28 @@ class DraftLengthPolicy:
             return False
         if self.probe_due:  # a probe keeps the acceptance estimates current while drafting does not pay
             self.probe_due = False
+            if self.shadow_probes and not self.expected_to_pay(max_tokens):
+                self.shadow_due = True  # the model says no: learn position 0 beside a plain step
+                self._back_off()
+                return False
             return True
         if self.measured is not None and self.measured.plain_due(1, self.probe_every):
             return False
-        rates = self.expected_rates(max_tokens)
-        if max(rates[1:]) > rates[0] and not self.measured_loss():
+        if self.expected_to_pay(max_tokens) and not self.measured_loss():
             self.backoff = self.probe_every
             return True
+        self._back_off()
+        return False
+
+    def _back_off(self) -> None:
+        """Plain steps for the present wait, a probe after them, and the next wait twice as long."""
         self.plain_left, self.probe_due = self.backoff - 1, True
         self.backoff = min(2 * self.backoff, self.max_backoff)
-        return False
+
+    def expected_to_pay(self, max_tokens: int) -> bool:
+        """Is some block of up to `max_tokens` expected to deliver more tokens per second than a plain step?"""
+        rates = self.expected_rates(max_tokens)
+        return max(rates[1:]) > rates[0]
 
     def measured_loss(self) -> bool:
         """Have drafted rounds delivered fewer tokens per second than plain ones, as measured?"""
@@ -546,6 +574,16 @@ class DraftLengthPolicy:
                                             plain_step=self.step.plain))
             except OSError:
                 pass  # the cache is an optimisation: a read-only one keeps the old profile
+
+    def observe_shadow(self, confidence: float, accepted: float, draft_seconds: float | None) -> None:
+        """A shadow draft's outcome: the drafter's confidence at position 0 and the probability, known exactly from the
+        target's distribution at the plain step beside it, that its token would have been accepted. When drafting is
+        now expected to pay (and the measured rates do not say otherwise), the back-off ends: the next round drafts."""
+        self.calibrator.observe(0, confidence, accepted)
+        if draft_seconds is not None:
+            self.draft.add(1, draft_seconds)
+        if self.expected_to_pay(self.max_tokens) and not self.measured_loss():
+            self.plain_left, self.probe_due, self.backoff = 0, False, self.probe_every
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None,
                 round_seconds: float | None = None) -> None:
