@@ -152,13 +152,19 @@ def test_slow_drafting_is_measured_and_mostly_skipped(targets):
     assert engine.stats["speculative_steps"] / engine.stats["steps"] < 0.5, engine.stats
 
 
-def generate_batch_with(engine, prompts, max_new_tokens):
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
-    outputs = {i: [] for i in ids}
+def _run_to_end(engine) -> dict[int, list[int]]:
+    """Step `engine` until it has no work: every request's generated tokens by request id."""
+    outputs = {}
     while engine.has_work():
         for event in engine.step():
-            outputs[event.request_id].extend(event.token_ids)
-    return [outputs[i] for i in ids]
+            outputs.setdefault(event.request_id, []).extend(event.token_ids)
+    return outputs
+
+
+def generate_batch_with(engine, prompts, max_new_tokens):
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
+    outputs = _run_to_end(engine)
+    return [outputs.get(i, []) for i in ids]
 
 
 def test_budget_zero_is_plain_decoding_and_budgets_are_respected(targets):
@@ -378,6 +384,17 @@ class PlanFromRealKeysEngine(SpeculativeEngine):
         return accept
 
 
+class WidthFromRealKeysEngine(SpeculativeEngine):
+    """"auto" drafts as wide as the sampled rows' real later acceptance says (it depends on the drawn tokens), while
+    planning the verification right: the engine before session 37."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        bound = self.policy.drafting_bound
+        self.policy.drafting_bound = lambda remaining, n_dec, sampled, plan: bound(remaining, n_dec, sampled,
+                                                                                   lambda accept, _: accept)
+
+
 class IgnoresTemperatureEngine(SpeculativeEngine):
     """Processes target and drafter logits as if every request asked for temperature 1."""
 
@@ -454,10 +471,7 @@ def run_sampled(target, drafter, draws, params, max_new_tokens, *, verify, engin
                                                              stop_token_ids=(), **params)))
         if i % 4 == 0:
             greedy.append(engine.add_request(GREEDY_PROMPT, SamplingParams(max_new_tokens=3, stop_token_ids=())))
-    outputs = {}
-    while engine.has_work():
-        for event in engine.step():
-            outputs.setdefault(event.request_id, []).extend(event.token_ids)
+    outputs = _run_to_end(engine)
     return [tuple(outputs[i]) for i in ids], [outputs[i] for i in greedy], engine
 
 
@@ -548,48 +562,102 @@ class TiledCost(CostModel):
         return self.verify(rows, base_tokens) + self.per_tile * torch.ceil(extra / self.tile)
 
 
+def _drafted(engine, conf, limit, sampled):
+    """How many positions each row carries `[B]` when the drafter stops where "auto" stops it (`drafting_bound`,
+    asked after each position as drafting asks it) and each row at its own `limit` (its request's end)."""
+    keep_going = engine.policy.drafting_bound(limit + 1, len(limit), sampled, engine.plan_acceptance)
+    width = conf.shape[1]
+    if keep_going is not None:
+        width = next((j + 1 for j in range(width) if not keep_going(conf[:, j], j)), width)
+    return limit.clamp(max=width)
+
+
 def _selection_looks_ahead(target, engine_cls, cost, verify="auto", trials=300):
-    """How often, over random batches, a sampled row's verification of position k changed when only the confidence
-    of its positions after k changed (they depend on the token drafted at k). Exactness needs 0."""
+    """How often, over random batches, changing only the confidences of a sampled row's positions after k (they
+    depend on the token drafted at k) changed whether that row verifies k, or changed what another sampled row
+    verifies (requests with one seed share random streams, so their draws are alike). The drafting width is
+    recomputed from the changed confidences, as the engine would have drafted. Exactness needs 0."""
     engine = engine_cls(target, None, verify=verify, cost_model=cost)
     g = torch.Generator().manual_seed(1)
     changed = 0
     for _ in range(trials):
-        rows, k = int(torch.randint(1, 6, (1,), generator=g)), 3
+        rows, k = int(torch.randint(1, 6, (1,), generator=g)), 5
         conf = torch.rand(rows, k, generator=g)
-        drafted = torch.randint(1, k + 1, (rows,), generator=g)
+        limit = torch.randint(1, k + 1, (rows,), generator=g)
         sampled = torch.rand(rows, generator=g) < 0.7
-        before = engine._select(engine._acceptance(conf, None), drafted, rows, StepTrace(), sampled)
+
+        def depth(c):
+            return engine._select(engine._acceptance(c, None), _drafted(engine, c, limit, sampled), rows,
+                                  StepTrace(), sampled)
+
+        before = depth(conf)
         i, j = int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, k - 1, (1,), generator=g))
         if not bool(sampled[i]):
             continue
         other = conf.clone()
         other[i, j + 1 :] = torch.rand(k - j - 1, generator=g)
-        after = engine._select(engine._acceptance(other, None), drafted, rows, StepTrace(), sampled)
-        changed += int((before[i] > j) != (after[i] > j))  # position j verified or not
+        after = depth(other)
+        others = sampled.clone()
+        others[i] = False
+        changed += int((before[i] > j) != (after[i] > j) or bool((before != after)[others].any()))
     return changed
 
 
 @pytest.mark.parametrize("cost", ["linear", "tiled"])
 def test_auto_selection_of_a_sampled_position_ignores_its_later_positions(targets, cost):
-    """Whether "auto" verifies a sampled row's position k may not depend on the confidences of its positions after k.
-    With linear costs the best budget already never looks ahead; with tiled (GPU-like) costs only the plan
-    (`plan_acceptance`) keeps it so: planning with the real later keys is caught here."""
+    """Whether D-Cut verifies a sampled row's position k may not depend on the confidences of its positions after k,
+    nor may what other sampled rows verify. Planning with the real later keys (`PlanFromRealKeysEngine`) is caught
+    under a fixed budget with either cost (the ranking shares the budget between rows, which lets requests with one
+    seed steer each other; session 37), and in "auto" with tiled, GPU-like costs (with a linear cost the best budget
+    cannot look ahead along a row). The drafting width's part: `test_auto_drafts_a_sampled_row_as_wide_as_its_plan`."""
     model = MARGINAL_COST if cost == "linear" else TiledCost(tile=4, per_tile=0.6)
     target = targets[0]
     assert _selection_looks_ahead(target, SpeculativeEngine, model) == 0
-    assert _selection_looks_ahead(target, SpeculativeEngine, model, verify=3) == 0  # budgets: exact as they are
+    assert _selection_looks_ahead(target, SpeculativeEngine, model, verify=3) == 0
+    assert _selection_looks_ahead(target, PlanFromRealKeysEngine, model, verify=3) > 0  # the check has power
     if cost == "tiled":
-        assert _selection_looks_ahead(target, PlanFromRealKeysEngine, model) > 0  # the check has power
+        assert _selection_looks_ahead(target, PlanFromRealKeysEngine, model) > 0
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(targets):
-    target, _ = targets
-    drafter = tiny_drafter("dflash", target)
-    params = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
-    alone = generate_batch(target, drafter, [[5, 6, 7]], seed=7, verify="full", **params)[0]
-    crowd = generate_batch(target, drafter, [[5, 6, 7], [8, 9], [10] * 9], seed=7, verify=2, **params)[0]
-    assert alone == crowd
+def test_auto_drafts_a_sampled_row_as_wide_as_its_plan(targets):
+    """How wide "auto" drafts may not follow a sampled row's confidences after its first position: the width sets
+    the budget and with it which of the row's positions are verified (found in review, session 37). One sampled row
+    with confidences 0.75, 0.45, x, ...: drafted by its real confidences the block stops after 3 positions when x is
+    low and runs on when x is high, and its position 1 (survival 0.34) is verified only in the second case, i.e.
+    depending on the token drawn at position 1, which x follows. Planned from its first position, the width and the
+    verification of position 1 are the same for every x."""
+    conf_after = (0.02, 0.3, 0.6, 0.95)
+
+    def verifies_position_1(engine_cls, x):
+        engine = engine_cls(targets[0], None, verify="auto", cost_model=MARGINAL_COST)
+        conf = torch.tensor([[0.75, 0.45, x, 0.95, 0.95, 0.95, 0.95]])
+        limit, sampled = torch.tensor([7]), torch.tensor([True])
+        drafted = _drafted(engine, conf, limit, sampled)
+        depth = engine._select(engine._acceptance(conf, None), drafted, 1, StepTrace(), sampled)
+        return int(drafted[0]), bool(depth[0] > 1)
+
+    right = {verifies_position_1(SpeculativeEngine, x) for x in conf_after}
+    wrong = {verifies_position_1(WidthFromRealKeysEngine, x) for x in conf_after}
+    assert len(right) == 1, right
+    assert len({verified for _, verified in wrong}) == 2, wrong  # the check has power
+
+
+@pytest.mark.parametrize("verify", ["full", "depth:2"])
+def test_seeded_sampling_does_not_depend_on_the_batch(spread, verify):
+    """A request's random numbers are keyed by its seed and positions, so where its verified depth does not follow
+    the batch, its tokens do not either (under a shared budget they may: `sampling.py`'s docstring)."""
+    drafter = peaked_drafter("mtp", spread)
+    params = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=5, top_p=0.9)
+    with single_thread():
+        alone = SpeculativeEngine(spread, drafter, verify=verify, cost_model=FIXED_COST)
+        crowd = SpeculativeEngine(spread, drafter, verify=verify, cost_model=FIXED_COST)
+        mine = alone.add_request([5, 6, 4], SamplingParams(seed=7, stop_token_ids=(), **params))
+        theirs = crowd.add_request([5, 6, 4], SamplingParams(seed=7, stop_token_ids=(), **params))
+        for prompt, seed in (([1, 2], 8), ([6] * 9, 7)):  # one neighbour shares the seed
+            crowd.add_request(prompt, SamplingParams(seed=seed, stop_token_ids=(), **params))
+        outputs = [_run_to_end(engine)[rid] for engine, rid in ((alone, mine), (crowd, theirs))]
+    assert outputs[0] == outputs[1]
+    assert 0 < crowd.stats["accepted"] < crowd.stats["verified"]  # drafts were accepted and rejected: not vacuous
 
 
 # ---- n-gram lookup proposals in the engine -------------------------------------------------------------------------

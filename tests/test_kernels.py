@@ -207,3 +207,25 @@ def test_verify_sampled_rows_without_draft_probs_match_reference():
     ref_n, ref_token = reference.verify(*args)
     assert ref_n.tolist() == [3, 3, 1, 1, 2]
     assert n_acc.tolist() == ref_n.tolist() and token.tolist() == ref_token.tolist()
+
+
+def test_a_draw_never_lands_on_a_zero_probability_token():
+    """Inverse-CDF sampling at the top of the unit interval (u × total reaching the total, which rounding can do in
+    the kernel's blocked sums): both samplers fall back to the last token of positive weight, not the vocabulary's
+    last token, which here has probability zero — in the bonus draw from p and in the correction from max(p - q, 0)."""
+    batch, vocab = 3, 300  # more than one block of the kernel's vocabulary loop
+    p = torch.zeros(batch, 2, vocab)
+    p[:, :, [3, 7, 150]] = torch.tensor([0.5, 0.25, 0.25])
+    p[1, :, 150] = 0.0  # row 1's last positive token is 7
+    p[1, :, 3] = 0.75
+    q = torch.zeros(batch, 1, vocab)
+    q[:, 0, 3] = 1.0  # residual max(p - q, 0) keeps 7 and 150 (7 alone in row 1)
+    draft = torch.full((batch, 1), 3)
+    depth = torch.tensor([0, 1, 1])  # row 0: bonus from p; rows 1, 2: draft 3 rejected (u * q(3) >= p(3))
+    greedy = torch.zeros(batch, dtype=torch.bool)
+    u_accept, u_sample = torch.ones(batch, 1), torch.ones(batch, 2)
+    args = [t.to(DEVICE) for t in (p, draft, q, depth, greedy, u_accept, u_sample)]
+    assert sample_from(p[:, 0], torch.ones(batch)).tolist() == [150, 7, 150]
+    for verify in (reference.verify, tk.verify):
+        n_acc, token = verify(*args)
+        assert n_acc.tolist() == [0, 0, 0] and token.tolist() == [150, 7, 150], verify.__module__

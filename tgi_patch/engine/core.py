@@ -262,7 +262,8 @@ class SpeculativeEngine:
             drafted = torch.zeros_like(drafted).index_fill_(0, rows, True)
         chosen = [r for r, d in zip(requests, drafted.tolist()) if d]
         k = self.policy.draft_width(self.batch_drafter.num_draft_tokens)
-        keep_going = self.policy.drafting_bound(remaining[drafted], batch.num_decode)
+        keep_going = self.policy.drafting_bound(remaining[drafted], batch.num_decode, batch.sampled[dec][drafted],
+                                                self.plan_acceptance)
         select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence)
         tokens, probs, conf = self.runner.draft(batch.slots[dec][drafted], k, select, keep_going)
         width = tokens.shape[1]  # k, or fewer where `keep_going` stopped

@@ -318,14 +318,18 @@ def parse_verify(verify) -> tuple[str, int | None]:
 # Rejection sampling (Leviathan et al.) emits a token distributed as the target's p at draft position k only if the
 # draft token d_k is distributed as q_k *given that position k is verified*. So whether k is verified may depend
 # on anything known before d_k is drawn (the drafted prefix d_<k, the drafter's distribution q_k, calibrated
-# statistics, other requests' drafts, which use their own random streams) but never on d_k or later tokens. The
-# two rules below keep that: the confidence of position k is a function of q_k alone (`draft_confidence`), and in
-# "auto" mode a sampled request verifies every position whose survival clears a threshold planned without its
-# own later positions (`plan_acceptance`). Ranking by q(d_k) — the probability of the token actually drawn — made
-# verification favour tokens the drafter over-proposes and skewed the output (issue 11). Greedy requests have no
-# randomness to bias and keep every signal. Fixed budgets are exact as they are: with draft-independent keys a
-# position is chosen when fewer than `budget` keys rank above it, and a row's later keys never rank above it.
-# (`SpeculativeEngine.draft_confidence` / `.plan_acceptance` call these; a subclass may swap a rule, as tests do.)
+# statistics) but never on d_k or later tokens. The two rules below keep that: the confidence of position k is a
+# function of q_k alone (`draft_confidence`), and every plan of a step — how wide the block is drafted
+# (`drafting_bound`), the budget "auto" chooses and its threshold, the ranking of a fixed budget, whether an n-gram
+# lookup replaces the block — sees a sampled request through its first position only (`plan_acceptance`), since
+# the confidences after it follow its drawn tokens; a sampled request then verifies every position whose own
+# survival clears the threshold, which reads d_<k alone. Ranking by q(d_k) — the probability of the token actually
+# drawn — made verification favour tokens the drafter over-proposes and skewed the output (issue 11); a drafting
+# width read from the sampled confidences let position k's verification follow d_k through the budget (found in
+# review, session 37). Since no plan reads another request's draws either, requests that share a seed, and with it
+# their random streams, cannot steer each other's verification. Greedy requests have no randomness to bias and keep
+# every signal. (`SpeculativeEngine.draft_confidence` / `.plan_acceptance` call these; a subclass may swap a rule,
+# as tests do.)
 
 def draft_confidence(probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """D-Cut's confidence `[B]` in a drafted position: the peak of the drafter's distribution `probs [B, V]` there
@@ -334,8 +338,9 @@ def draft_confidence(probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
 
 
 def plan_acceptance(accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """The acceptance probabilities `[B, K]` "auto" mode plans the step with: a sampled row's own positions after
-    the first depend on its drawn tokens, so it is planned as if every position were as likely as its first."""
+    """The acceptance probabilities `[B, K]` every plan of a step reads (the drafting width, "auto"'s budget, a fixed
+    budget's ranking, the lookup choice): a sampled row's own positions after the first depend on its drawn tokens,
+    so it is planned as if every position were as likely as its first."""
     return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
 
 
@@ -562,21 +567,26 @@ class DCutPolicy:
             return min(num_draft_tokens, self.mode_value)
         return num_draft_tokens
 
-    def drafting_bound(self, remaining, n_dec: int):
+    def drafting_bound(self, remaining, n_dec: int, sampled, plan=plan_acceptance):
         """`keep_going` for drafting in "auto" mode (None otherwise): position j + 1 can be worth verifying only while
-        some decoding request's calibrated survival through j is at least `c · n_dec / verify(n_dec, n_dec)` (an
+        some decoding request's planned survival through j is at least `c · n_dec / verify(n_dec, n_dec)` (an
         extra verified token costs c seconds; below that bound it adds fewer tokens per second than a plain step
-        makes). Survival uses the confidences of positions up to j, known before token j is drawn, so stopping here
-        keeps sampling exact. remaining `[n_dec]`: tokens each decoding request may still generate."""
+        makes). remaining `[n_dec]`: tokens each decoding request may still generate; sampled `[n_dec]` (bool).
+
+        The survival is planned as the step is (`plan`): how wide the block is drafted decides which positions the
+        step can verify, so for a sampled request it may not read the confidences after its first position (they
+        depend on its drawn tokens, for the families that draft left to right: MTP's chained steps, DFly's AR head)."""
         if self.mode != "auto":
             return None
         cost = self.cost_model
         bound = cost.verify_coef[2] * n_dec / cost.verify(n_dec, n_dec)
         survival = torch.ones(len(remaining), device=remaining.device)
+        accepts = []
 
         def keep_going(conf, j):
             nonlocal survival
-            survival = survival * self.calibrator.at(conf, j)
+            accepts.append(self.calibrator.at(conf, j))
+            survival = survival * plan(torch.stack(accepts, 1), sampled)[:, -1]
             return bool(((survival >= bound) & (remaining - 1 > j + 1)).any())
 
         return keep_going
@@ -649,8 +659,8 @@ class DCutPolicy:
             return num_drafted.clamp(max=self.mode_value), torch.cumprod(accept, 1)
         if self.mode == "full":
             return num_drafted.clone(), torch.cumprod(accept, 1)
-        if self.mode == "budget":
-            depth, survival, _ = kernels.dcut_select(accept, num_drafted, self.mode_value)
+        if self.mode == "budget":  # sampled rows ranked as planned: their later keys follow their own draws
+            depth, survival, _ = kernels.dcut_select(plan(accept, sampled), num_drafted, self.mode_value)
             return depth, survival
         return self._select_auto(accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows)
 

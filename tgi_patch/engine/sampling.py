@@ -1,7 +1,11 @@
 """A request's distribution and its random draws, for a whole batch with no per-row loop: penalties, then
 temperature / top-k / top-p as per-row tensors (transformers' and TGI's order), and random numbers from a
-counter-based generator keyed by (request seed, token position, stream). A request's samples therefore depend on its
-seed alone, never on which other requests share the batch or on how many draft tokens a step verified.
+counter-based generator keyed by (request seed, token position, stream). A request's random numbers therefore depend
+on its seed alone, never on which other requests share the batch. Its tokens do too wherever how many draft tokens
+each step verifies does not depend on the batch (`verify="full"` or a fixed depth); under a shared budget ("auto", or
+a fixed budget) that number follows the batch and D-Cut's calibrated, timed choices, and a position is then either a
+verified draft token or drawn from p, so one seed may give other tokens in another batch, always distributed as the
+target's.
 
 Penalties (applied to the target's logits before temperature / top-k / top-p, as in transformers and TGI):
 - `repetition_penalty` r (transformers' / TGI's rule, over prompt + generated tokens): a token already seen has its
@@ -61,10 +65,15 @@ def process_logits(logits, temperature, top_k, top_p) -> torch.Tensor:
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw from each row of `probs` (unnormalised is fine) with uniforms `u` (same leading shape)."""
+    """Inverse-CDF draw from each row of `probs` (unnormalised is fine) with uniforms `u` (same leading shape): the
+    first token whose cumulative mass exceeds u × total. Where rounding leaves none (u × total reaching the total),
+    the last token of positive weight, never one the row gives probability zero."""
     cdf = probs.float().cumsum(-1)
     target = (u.float() * cdf[..., -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.where(index < vocab, index, last_positive)
 
 
 class PenaltyState:

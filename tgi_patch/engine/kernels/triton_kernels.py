@@ -105,15 +105,18 @@ def _block_weights(p_ptr, q_ptr, offs, V, USE_Q: tl.constexpr):
 @triton.jit
 def _sample_row(p_ptr, q_ptr, u, V, USE_Q: tl.constexpr, BLOCK_V: tl.constexpr):
     """Inverse-CDF draw from p (or from max(p - q, 0) when USE_Q): the first index whose cumulative mass exceeds u ×
-    total, as `torch.searchsorted(cdf, u * total, right=True)`."""
+    total, as `torch.searchsorted(cdf, u * total, right=True)`; where rounding leaves none (the blocks' sums and
+    cumulative sums round differently), the last index of positive weight, as `sampling.sample_from`."""
     total = 0.0
+    last = 0
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         w = _block_weights(p_ptr, q_ptr, offs, V, USE_Q)
         total += tl.sum(w, axis=0)
+        last = tl.maximum(last, tl.max(tl.where((w > 0) & (offs < V), offs, 0), axis=0))
     goal = u * total
     running = 0.0
-    found = V - 1
+    found = last
     searching = 1
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
