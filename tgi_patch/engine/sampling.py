@@ -5,7 +5,9 @@ on its seed alone, never on which other requests share the batch. Its tokens do 
 each step verifies does not depend on the batch (`verify="full"` or a fixed depth); under a shared budget ("auto", or
 a fixed budget) that number follows the batch and D-Cut's calibrated, timed choices, and a position is then either a
 verified draft token or drawn from p, so one seed may give other tokens in another batch, always distributed as the
-target's.
+target's. A position's DRAFT number is drawn again when a later step drafts that position again (its earlier draft
+was not verified): harmless only because an unverified draft leaves no trace in what any step decides (no plan reads
+a sampled request's drawn tokens: `dcut.py`, above `draft_confidence`); keep it that way.
 
 Penalties (applied to the target's logits before temperature / top-k / top-p, as in transformers and TGI):
 - `repetition_penalty` r (transformers' / TGI's rule, over prompt + generated tokens): a token already seen has its
