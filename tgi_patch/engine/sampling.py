@@ -69,13 +69,12 @@ def process_logits(logits, temperature, top_k, top_p) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw from each row of `probs` (unnormalised is fine) with uniforms `u` (same leading shape): the
     first token whose cumulative mass exceeds u × total. Where rounding leaves none (u × total reaching the total),
-    the last token of positive weight, never one the row gives probability zero."""
+    the token at which the cumulative mass reaches its total — its weight is positive — never a token after it, which
+    the row gives probability zero (two binary searches per row; no pass over the vocabulary)."""
     cdf = probs.float().cumsum(-1)
-    target = (u.float() * cdf[..., -1]).unsqueeze(-1)
-    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    vocab = probs.shape[-1]
-    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    return torch.where(index < vocab, index, last_positive)
+    total = cdf[..., -1:]
+    index = torch.searchsorted(cdf, u.float().unsqueeze(-1) * total, right=True)
+    return torch.where(index < cdf.shape[-1], index, torch.searchsorted(cdf, total)).squeeze(-1)
 
 
 class PenaltyState:

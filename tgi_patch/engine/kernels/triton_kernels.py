@@ -106,7 +106,9 @@ def _block_weights(p_ptr, q_ptr, offs, V, USE_Q: tl.constexpr):
 def _sample_row(p_ptr, q_ptr, u, V, USE_Q: tl.constexpr, BLOCK_V: tl.constexpr):
     """Inverse-CDF draw from p (or from max(p - q, 0) when USE_Q): the first index whose cumulative mass exceeds u ×
     total, as `torch.searchsorted(cdf, u * total, right=True)`; where rounding leaves none (the blocks' sums and
-    cumulative sums round differently), the last index of positive weight, as `sampling.sample_from`."""
+    cumulative sums round differently), the last index of positive weight (`sampling.sample_from` takes the index where
+    the cumulative mass reaches its total: the same one unless rounding absorbed a later, tiny weight), never an index
+    of weight zero."""
     total = 0.0
     last = 0
     for start in range(0, V, BLOCK_V):
