@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The shipped drafters, into the local HF cache under their Hub ids (angelspec-hf/smollm2-135m-instruct-*), where the
-# package finds them offline as an installed copy would; again whenever drafters/ changes. No network.
-$(DRAFTERS): $(STAMP) $(wildcard drafters/*/*)
+# package finds them offline as an installed copy would; again whenever drafters/ changes. No network. Their weights
+# are git blobs listed in drafters/weights.json: install-drafters first writes the missing or changed ones from git.
+$(DRAFTERS): $(STAMP) $(wildcard drafters/*/*) $(wildcard drafters/weights.json)
 	$(BIN)/angelspec install-drafters --from drafters
 	touch $@
 

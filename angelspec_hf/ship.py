@@ -1,6 +1,10 @@
 """`python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab]`: a training run's final drafter → fp16 Hub layout in
 DEST (safetensors, config, modeling code with `auto_map`, the run's model card and loss curve). `python -m angelspec_hf.ship --code FOLDER...`
-rewrites only the modeling code of shipped folders from the current `modeling/` (what `save_pretrained` would write)."""
+rewrites only the modeling code of shipped folders from the current `modeling/` (what `save_pretrained` would write).
+
+In a checkout, `drafters/*/model.safetensors` are git-ignored: the shipped weights are git blobs listed in
+`drafters/weights.json` (`angelspec_hf.weights_store`). Shipping into `drafters/<name>` prints the steps that record
+the new weights there (docs/contributing.md)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,20 @@ def ship(run_dir, dest, full_vocab: bool = False) -> Path:
     return dest
 
 
+def store_steps(dest) -> str | None:
+    """What to run so that new weights written to `dest` ship: None unless `dest` sits beside a `weights.json`
+    manifest (a checkout's `drafters/`), where the weights files are git-ignored and kept as git blobs."""
+    from angelspec_hf.weights_store import MANIFEST
+
+    dest = Path(dest)
+    if not (dest.parent / MANIFEST).is_file():
+        return None
+    return (f"{dest}'s weights are git-ignored; to ship them: (1) `git add -f {dest}/*.safetensors` with the other "
+            f"files and commit; (2) `python -m angelspec_hf.weights_store store {dest}`; (3) `git rm --cached "
+            f"{dest}/*.safetensors`, `git add {dest.parent / MANIFEST}` and commit. Keep both commits in main's "
+            "history (no squash): the manifest names the blobs of the first.")
+
+
 def export_drafter_code(folder, out=None) -> list[Path]:
     """The modeling code `save_pretrained` writes for the drafter in `folder` (its `auto_map` classes), written to
     `out` (default: `folder`, replacing its `.py` files)."""
@@ -54,5 +72,7 @@ if __name__ == "__main__":
             print(folder, [p.name for p in export_drafter_code(folder)])
     elif len(sys.argv) in (3, 4) and sys.argv[3:] in ([], ["--full-vocab"]):
         print(ship(sys.argv[1], sys.argv[2], full_vocab=sys.argv[3:] == ["--full-vocab"]))
+        if steps := store_steps(sys.argv[2]):
+            print(steps)
     else:
         sys.exit("usage: python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab] | --code FOLDER...")

@@ -11,6 +11,7 @@ their shortest regenerated response, so generation follows the memorised text). 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -43,7 +44,9 @@ def main(argv=None) -> int:
     from angelspec_hf.trainer.evaluation import whole_blocks
     from angelspec_hf.trainer.run import ModelArguments, train
 
-    records = [json.loads(line) for line in (REGENERATED / f"{args.set}.jsonl").open()][: args.sequences]
+    from angelspec_hf.trainer.regenerated_files import read_records, regenerated_file
+
+    records = list(itertools.islice(read_records(regenerated_file(REGENERATED, args.set)), args.sequences))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "regenerated"
         folder.mkdir()

@@ -15,8 +15,8 @@ Three steps, so the GPU machine needs neither the package nor `../shared/data` n
    `<out-dir>/<set>.jsonl` lines `{set, rank, id, response_ids, num_tokens, finish_reason}`, one batch at a time
    (flushed), and stop before `--deadline-s` seconds so what is done survives a time limit.
 3. `merge` (here): decode `response_ids` with the target's tokenizer, add `domain` / `prompt`, and append the
-   records to `--into/<set>.jsonl` in `load_train_prompts` order (ids already there are skipped; existing lines are
-   left untouched). With `--contiguous`, a set's new records stop at the first prompt that was not generated, so
+   records to `--into/<set>.jsonl.gz` (as one new gzip member; or to the plain `<set>.jsonl` already there) in
+   `load_train_prompts` order (ids already there are skipped; existing records are left untouched). With `--contiguous`, a set's new records stop at the first prompt that was not generated, so
    the file stays a prefix of the load order.
 
 Example::
@@ -27,12 +27,14 @@ Example::
         --deadline-s 420                 # on the GPU machine; --gguf PATH when the package is not installed
     python scripts/regenerate_gpu.py merge --raw raw --contiguous
 
-On this workplace's GPU machine (64 MiB per call, tracked tree ~46 MiB of it, no registry, no `gguf`): `pack-gguf`
-cuts the 98 MB GGUF into 6 compressed parts of ~14 MiB; carry one part per call to the same warm machine (it
+On this workplace's GPU machine (64 MiB per call, the tracked tree (≤ 32 MiB) included, no registry, no `gguf`):
+`pack-gguf` cuts the 98 MB GGUF into 6 compressed parts of ~14 MiB; carry one part per call to the same warm machine (it
 stays warm 30 s after a call; an ignored carried path stays there until a later call's carry names it), the
 `gguf` wheel with the first, the prompts with the last, which runs `unpack-gguf` (numpy + lzma only, sha256
 checked) and then `generate --gguf`. transformers 5.17 (the machine's) dequantises this GGUF to the same fp32
-weights as 5.24 (checked: identical state-dict sha256) and gives the same greedy ids on the CPU.
+weights as 5.24 (checked: identical state-dict sha256) and gives the same greedy ids on the CPU. `scripts/gpu/stage.py`
+stages the packed GGUF (`pack_gguf`) with the wheels, drafter weights and prompts the other GPU runs need
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _template_ids(tokenizer, prompt: str) -> list[int]:
 def _existing_ids(path: Path) -> set[str]:
     if not path.exists():
         return set()
-    with open(path, encoding="utf-8") as f:
+    with _open(path) as f:
         return {json.loads(line)["id"] for line in f if line.strip()}
 
 
@@ -75,6 +77,7 @@ def cmd_prepare(args) -> int:
 
     from angelspec_hf.targets import default_target_path
     from angelspec_hf.trainer.data import load_train_prompts
+    from angelspec_hf.trainer.regenerated_files import output_file
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
@@ -82,7 +85,7 @@ def cmd_prepare(args) -> int:
     for item in args.goal.split(","):
         name, _, goal = item.partition("=")
         goal = 10**12 if goal in ("", "all") else int(goal)
-        have = _existing_ids(Path(args.into) / f"{name}.jsonl")
+        have = _existing_ids(output_file(args.into, name))
         kept = new = skipped = 0
         for rank, rec in enumerate(load_train_prompts(name)):
             if kept >= goal:
@@ -259,6 +262,7 @@ def cmd_merge(args) -> int:
 
     from angelspec_hf.targets import default_target_path
     from angelspec_hf.trainer.data import load_train_prompts
+    from angelspec_hf.trainer.regenerated_files import append_lines, done_ids, output_file
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     tokenizer = AutoTokenizer.from_pretrained(default_target_path(), gguf_file=GGUF_FILE)
@@ -271,35 +275,35 @@ def cmd_merge(args) -> int:
                     rec = json.loads(line)
                     raw.setdefault(rec["set"], {})[rec["id"]] = rec
     for name, by_id in raw.items():
-        out_path = Path(args.into) / f"{name}.jsonl"
-        have = _existing_ids(out_path)
-        added = tokens = 0
-        with open(out_path, "a", encoding="utf-8") as out:
-            for rec in load_train_prompts(name):
-                if rec["id"] in have:
-                    continue
-                got = by_id.get(rec["id"])
-                if got is None:
-                    if args.contiguous and len(_template_ids(tokenizer, rec["prompt"])) <= args.max_prompt_tokens:
-                        break  # keep the file a prefix of the load order
-                    continue
-                ids = got["response_ids"]
-                response = ids[:-1] if ids and ids[-1] in eos and got["finish_reason"] == "eos_token" else ids
-                assert len(response) == got["num_tokens"], rec["id"]
-                line = {
-                    "id": rec["id"], "domain": rec.get("domain"), "prompt": rec["prompt"],
-                    "response": tokenizer.decode(response, skip_special_tokens=True),
-                    "num_tokens": len(response), "finish_reason": got["finish_reason"], "response_ids": ids,
-                }
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                added += 1
-                tokens += len(response)
+        out_path = output_file(args.into, name)
+        have = done_ids(out_path)
+        lines, tokens = [], 0
+        for rec in load_train_prompts(name):
+            if rec["id"] in have:
+                continue
+            got = by_id.get(rec["id"])
+            if got is None:
+                if args.contiguous and len(_template_ids(tokenizer, rec["prompt"])) <= args.max_prompt_tokens:
+                    break  # keep the file a prefix of the load order
+                continue
+            ids = got["response_ids"]
+            response = ids[:-1] if ids and ids[-1] in eos and got["finish_reason"] == "eos_token" else ids
+            assert len(response) == got["num_tokens"], rec["id"]
+            line = {
+                "id": rec["id"], "domain": rec.get("domain"), "prompt": rec["prompt"],
+                "response": tokenizer.decode(response, skip_special_tokens=True),
+                "num_tokens": len(response), "finish_reason": got["finish_reason"], "response_ids": ids,
+            }
+            lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+            tokens += len(response)
+        append_lines(out_path, lines)  # one gzip member for a .gz file
+        added = len(lines)
         print(f"{name}: +{added} records ({tokens} response tokens), {len(by_id) - added} generated but not added")
     return 0
 
 
 # ---------------------------------------------------------------------------------------- pack-gguf / unpack-gguf
-# The GPU machine takes at most 64 MiB per call (the tracked tree, ~46 MiB, included) and reaches no registry, so the
+# The GPU machine takes at most 64 MiB per call (the tracked tree, ≤ 32 MiB, included) and reaches no registry, so the
 # 98 MB target GGUF travels in parts over consecutive calls to one warm machine. `pack-gguf` splits the tensor data
 # into streams that compress better apart (Q8_0 / Q4_1 block scales vs. quantised values; 98 MB -> 87 MB with xz)
 # and cuts the result into `--parts` files; `unpack-gguf` (numpy + lzma only) rebuilds the exact file and checks
@@ -308,14 +312,16 @@ _STREAMS = ("rest", "q8s", "q8v", "q4s", "q4v")
 _BLOCKS = {"Q8_0": (34, 2, "q8s", "q8v"), "Q4_1": (20, 4, "q4s", "q4v")}  # block bytes, header bytes, streams
 
 
-def cmd_pack_gguf(args) -> int:
+def pack_gguf(gguf_path) -> bytes:
+    """The GGUF at `gguf_path` as one blob: a JSON header (name, size, sha256, tensor regions, stream sizes) and the
+    xz-compressed streams. Cut it anywhere; `unpack_gguf` of the pieces, in order, rebuilds the exact file."""
     import hashlib
 
     import gguf
     import numpy as np
 
-    raw = Path(args.gguf).read_bytes()
-    regions = sorted((int(t.data_offset), int(t.n_bytes), t.tensor_type.name) for t in gguf.GGUFReader(args.gguf).tensors)
+    raw = Path(gguf_path).read_bytes()
+    regions = sorted((int(t.data_offset), int(t.n_bytes), t.tensor_type.name) for t in gguf.GGUFReader(gguf_path).tensors)
     streams = {k: bytearray() for k in _STREAMS}
     manifest, pos = [], 0
     for off, n, ty in regions:
@@ -336,9 +342,15 @@ def cmd_pack_gguf(args) -> int:
         filters = [{"id": lzma.FILTER_LZMA2, "preset": 9, "lc": 0, "lp": 0, "pb": 0}] if k in ("q8v", "q4v") else \
             [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
         packed[k] = lzma.compress(bytes(v), format=lzma.FORMAT_XZ, filters=filters)
-    header = json.dumps({"name": Path(args.gguf).name, "size": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+    header = json.dumps({"name": Path(gguf_path).name, "size": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
                          "regions": manifest, "streams": [[k, len(packed[k])] for k in _STREAMS]}).encode()
-    blob = len(header).to_bytes(8, "little") + header + b"".join(packed[k] for k in _STREAMS)
+    return len(header).to_bytes(8, "little") + header + b"".join(packed[k] for k in _STREAMS)
+
+
+def cmd_pack_gguf(args) -> int:
+    import hashlib
+
+    blob = pack_gguf(args.gguf)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     step = -(-len(blob) // args.parts)
@@ -348,7 +360,8 @@ def cmd_pack_gguf(args) -> int:
         (out / f"part.{i + 1}").write_bytes(part)
         sums.append(f"{hashlib.sha256(part).hexdigest()}  part.{i + 1}")
     (out / "parts.sha256").write_text("\n".join(sums) + "\n")
-    print(f"{len(raw)} bytes -> {len(blob)} bytes in {args.parts} parts of <= {step} bytes under {out}")
+    print(f"{Path(args.gguf).stat().st_size} bytes -> {len(blob)} bytes in {args.parts} parts of <= {step} bytes "
+          f"under {out}")
     return 0
 
 
@@ -424,7 +437,7 @@ def main(argv=None) -> int:
     g.set_defaults(func=cmd_generate)
     m = sub.add_parser("merge", help="decode and append generated records to the regenerated files")
     m.add_argument("--raw", required=True, help="folder of generate's <set>.jsonl outputs")
-    m.add_argument("--into", default=DEFAULT_INTO)
+    m.add_argument("--into", default=DEFAULT_INTO, help="folder of <set>.jsonl.gz (or <set>.jsonl) to append to")
     m.add_argument("--contiguous", action="store_true")
     m.add_argument("--max-prompt-tokens", type=int, default=512)
     m.set_defaults(func=cmd_merge)

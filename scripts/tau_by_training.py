@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import angelspec_hf  # noqa: E402
 from angelspec_hf.shipped import drafter_for_target  # noqa: E402
 from angelspec_hf.trainer.evaluation import measure_acceptance  # noqa: E402
+from angelspec_hf.weights_store import MANIFEST, WeightFile, write_blob  # noqa: E402
 from tune_stop_threshold import held_out_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,8 @@ def parse_checkpoint(spec: str) -> tuple[str, int, str]:
 
 
 def materialise(source: str, scratch: Path) -> Path:
-    """A drafter folder on disk: `source` itself, or the files committed under `git:<rev>:<path>`."""
+    """A drafter folder on disk: `source` itself, or the files committed under `git:<rev>:<path>`, with the weights
+    that revision's `weights.json` beside the folder lists as git blobs (the shipped drafters' weights are kept so)."""
     if not source.startswith("git:"):
         return Path(source)
     _, rev, path = source.split(":", 2)
@@ -47,6 +49,13 @@ def materialise(source: str, scratch: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, path], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(out), "--strip-components", str(len(Path(path).parts))], input=archive,
                    check=True)
+    manifest = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{Path(path).parent.as_posix()}/{MANIFEST}"],
+                              capture_output=True, text=True)
+    if manifest.returncode == 0:
+        for entry in (WeightFile(**e) for e in json.loads(manifest.stdout)["files"]):
+            folder, _, rel = entry.path.partition("/")
+            if folder == Path(path).name and not (out / rel).exists():
+                write_blob(ROOT, entry, out / rel)
     return out
 
 

@@ -26,7 +26,9 @@ REGENERATED = Path(__file__).resolve().parent.parent / "data" / "regenerated" / 
 
 
 def held_out_prompts(sets, count):
-    seen = {json.loads(line)["id"] for f in REGENERATED.glob("*.jsonl") for line in f.open() if line.strip()}
+    from angelspec_hf.trainer.regenerated_files import read_records
+
+    seen = {rec["id"] for f in REGENERATED.glob("*.jsonl*") for rec in read_records(f)}  # .jsonl.gz or .jsonl
     per_set = -(-count // len(sets))
     prompts = []
     for name in sets:

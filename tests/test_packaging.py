@@ -1,6 +1,8 @@
 """Works when installed, not only when checked out: the shipped drafters resolve by Hub id from the local HF cache
 (filled offline by `angelspec install-drafters`, read back with huggingface_hub's own readers), the checkout folder is
-the fallback, an untrained fallback names its real reason, and the prompt data folder comes from `$ANGELSPEC_DATA`."""
+the fallback, an untrained fallback names its real reason, and the prompt data folder comes from `$ANGELSPEC_DATA`.
+A checkout's tracked tree fits its size budget: the drafter weights are git blobs listed in `drafters/weights.json`,
+written into the folders on demand."""
 
 import hashlib
 import json
@@ -27,9 +29,29 @@ from angelspec_hf.shipped import (
     shipped_repo_id,
     untrained_drafter,
 )
+from angelspec_hf.weights_store import (
+    WeightFile,
+    WeightsStoreError,
+    materialise,
+    read_manifest,
+    store,
+    write_manifest,
+)
 from helpers import tiny_drafter, tiny_target
 
 REPO = shipped_repo_id("dfly")
+ROOT = SHIPPED_DIR.parent
+TREE_BUDGET = 32 * 1024 * 1024  # bytes of tracked files: a GPU transfer (<= 64 MiB) carries the tree + a target part
+
+
+def git(cwd, *args) -> str:
+    return subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-C", str(cwd), *args],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def in_git_checkout() -> bool:
+    return shutil.which("git") is not None and subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode == 0
 
 
 @pytest.fixture
@@ -224,3 +246,140 @@ def test_data_dir_honours_ANGELSPEC_DATA(tmp_path, monkeypatch):
     monkeypatch.setattr(prompts, "__file__", str(tmp_path / "site-packages" / "angelspec_hf" / "prompts.py"))
     with pytest.raises(FileNotFoundError, match=r"\$ANGELSPEC_DATA is not set and the default beside a checkout"):
         prompts.data_dir()
+
+
+@pytest.mark.skipif(not in_git_checkout(), reason="not a git checkout (or no git): no tracked tree to measure")
+def test_the_tracked_tree_fits_its_budget():
+    """What a GPU machine call carries (docs/contributing.md): the tracked files as they are in the working tree."""
+    tracked = [f for f in git(ROOT, "ls-files", "-z").split("\0") if f]
+    sizes = {f: (ROOT / f).lstat().st_size for f in tracked if os.path.lexists(ROOT / f)}  # deleted ones: not sent
+    assert len(sizes) > 100 and "pyproject.toml" in sizes and "drafters/weights.json" in sizes
+    assert not [f for f in tracked if f.startswith("drafters/") and f.endswith(".safetensors")], \
+        "drafter weights are tracked: keep them as git blobs (python -m angelspec_hf.weights_store store)"
+    biggest = sorted(sizes.items(), key=lambda kv: -kv[1])[:8]
+    assert sum(sizes.values()) <= TREE_BUDGET, f"tracked tree {sum(sizes.values())} bytes > {TREE_BUDGET}: {biggest}"
+
+
+@pytest.mark.skipif(not in_git_checkout(), reason="not a git checkout (or no git): the weights are git blobs")
+def test_the_manifest_materialises_the_shipped_weights(tmp_path):
+    entries = read_manifest(SHIPPED_DIR)
+    assert [e.path for e in entries] == [f"{SHIPPED_PREFIX}{f}/model.safetensors" for f in ("dflash", "dfly", "mtp")]
+    written = materialise(SHIPPED_DIR, dest=tmp_path)
+    assert [path for path, _ in written] == [tmp_path / e.path for e in entries]
+    for entry in entries:
+        data = (tmp_path / entry.path).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry.size, entry.sha256)
+        assert git(ROOT, "hash-object", str(tmp_path / entry.path)).strip() == entry.blob
+        assert json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])  # a safetensors header
+    assert materialise(SHIPPED_DIR, dest=tmp_path) == []  # all there and verified: nothing rewritten
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # no temporaries left
+
+
+@pytest.fixture
+def weights_repo(tmp_path):
+    """A git repository with `drafters/d/` whose weights were committed, stored in the manifest, then untracked."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    (repo / "drafters" / "d").mkdir(parents=True)
+    (repo / "drafters" / "d" / "config.json").write_text("{}\n")
+    (repo / "drafters" / "d" / "model.safetensors").write_bytes(os.urandom(5000))
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "weights")
+    return repo
+
+
+def test_weights_are_stored_as_blobs_and_materialised(weights_repo):
+    drafters = weights_repo / "drafters"
+    weights = drafters / "d" / "model.safetensors"
+    data = weights.read_bytes()
+    [entry] = store([drafters / "d"])
+    blob = git(weights_repo, "rev-parse", "HEAD:drafters/d/model.safetensors").strip()
+    assert entry == WeightFile("d/model.safetensors", blob, len(data), hashlib.sha256(data).hexdigest())
+    assert read_manifest(drafters) == [entry]
+    git(weights_repo, "rm", "-q", "--cached", "drafters/d/model.safetensors")
+    git(weights_repo, "add", "drafters/weights.json")
+    git(weights_repo, "commit", "-qm", "weights out of the tree")
+    assert "drafters/d/model.safetensors" not in git(weights_repo, "ls-files")
+    with pytest.raises(WeightsStoreError, match="HEAD has no .safetensors file under drafters/d/: commit"):
+        store([drafters / "d"])
+    with pytest.raises(WeightsStoreError, match="no-such-rev is not a commit in HEAD's history"):
+        store([drafters / "d"], rev="no-such-rev")
+    weights.unlink()
+    [(path, note)] = materialise(drafters)
+    assert path == weights and weights.read_bytes() == data and entry.blob[:12] in note
+    umask = os.umask(0)
+    os.umask(umask)
+    assert weights.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain write leaves it, not mkstemp's 0600
+    assert materialise(drafters) == []
+    # a file that differs (e.g. retrained, not yet stored): left alone by lookups; replaced, and kept aside, on install
+    weights.write_bytes(b"retrained")
+    assert materialise(drafters, verify=False) == [] and weights.read_bytes() == b"retrained"
+    [(_, note)] = materialise(drafters)
+    kept = weights.with_name(f".model.safetensors.{hashlib.sha256(b'retrained').hexdigest()[:12]}")
+    assert weights.read_bytes() == data and kept.read_bytes() == b"retrained" and kept.name in note
+
+
+def test_materialising_says_what_is_wrong(weights_repo, tmp_path, monkeypatch):
+    drafters = weights_repo / "drafters"
+    store([drafters / "d"])
+    git(weights_repo, "rm", "-q", "--cached", "drafters/d/model.safetensors")
+    git(weights_repo, "add", "drafters/weights.json")
+    git(weights_repo, "commit", "-qm", "weights out of the tree")
+    [entry] = read_manifest(drafters)
+    # a shallow clone lacks the commit holding the blob
+    shallow = tmp_path / "shallow"
+    git(tmp_path, "clone", "-q", "--depth", "1", f"file://{weights_repo}", str(shallow))
+    with pytest.raises(WeightsStoreError, match=f"blob {entry.blob} of d/model.safetensors .*git fetch --unshallow"):
+        materialise(shallow / "drafters")
+    # a copy outside any git checkout
+    copy = tmp_path / "copy"
+    shutil.copytree(drafters, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(WeightsStoreError, match="is not in a git checkout"):
+        materialise(copy)
+    # a manifest that does not match its blob: refused, nothing written
+    write_manifest(drafters, [WeightFile(entry.path, entry.blob, entry.size, "0" * 64)])
+    weights = drafters / "d" / "model.safetensors"
+    data = weights.read_bytes()
+    with pytest.raises(WeightsStoreError, match="the manifest is wrong"):
+        materialise(drafters)  # the file there differs from the (wrong) manifest: it stays as it was
+    assert weights.read_bytes() == data
+    assert sorted(p.name for p in weights.parent.iterdir()) == ["config.json", "model.safetensors"]
+    weights.unlink()
+    with pytest.raises(WeightsStoreError, match="the manifest is wrong"):
+        materialise(drafters)
+    assert sorted(p.name for p in weights.parent.iterdir()) == ["config.json"]
+    # no git at all
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(WeightsStoreError, match="`git` is not installed"):
+        materialise(drafters)
+
+
+def test_a_checkout_without_its_weights_writes_them_or_says_how(checkout, cache, tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    folder = checkout / f"{SHIPPED_PREFIX}dfly"
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "drafters")
+    git(tmp_path, "commit", "-qm", "drafter")
+    store([folder])
+    weights.unlink()
+    found = find_shipped("dfly")  # the checkout's folder, its weights written from git
+    assert found.source == "checkout" and weights.read_bytes() == data
+    weights.unlink()
+    install_shipped(checkout, families=("dfly",))  # what `angelspec install-drafters` (and `make`) run
+    assert weights.read_bytes() == data
+    # git cannot give them (no checkout any more): the cache serves; without it, the reason and the command
+    shutil.rmtree(tmp_path / ".git")
+    weights.unlink()
+    with pytest.raises(WeightsStoreError, match="not in a git checkout.*angelspec install-drafters --from"):
+        shipped.checkout_drafter_path("dfly")
+    assert find_shipped("dfly").source == "hf-cache"
+    shutil.rmtree(cache)
+    cache.mkdir()
+    why = []
+    assert find_shipped("dfly", why=why) is None
+    assert "the checkout folder lacks its weights" in why[0] and "not in a git checkout" in why[0]

@@ -4,6 +4,8 @@ there, and the curve is drawn with variants (same step count) apart from the lin
 import importlib.util
 from pathlib import Path
 
+from angelspec_hf.weights_store import read_manifest, sha256_file
+
 ROOT = Path(__file__).resolve().parent.parent
 DFLY = "drafters/smollm2-135m-instruct-dfly"
 
@@ -20,8 +22,10 @@ def test_a_checkpoint_from_git_history_is_the_committed_drafter(tmp_path):
     label, steps, source = script.parse_checkpoint(f"round 5, shipped:4400:git:HEAD:{DFLY}")
     assert (label, steps, source) == ("round 5, shipped", 4400, f"git:HEAD:{DFLY}")
     folder = script.materialise(source, tmp_path)
-    for name in ("config.json", "model.safetensors"):
-        assert (folder / name).read_bytes() == (ROOT / DFLY / name).read_bytes()
+    assert (folder / "config.json").read_bytes() == (ROOT / DFLY / "config.json").read_bytes()
+    # the weights: committed as a file, or (since they left the tree) the git blob drafters/weights.json names
+    [entry] = [e for e in read_manifest(ROOT / "drafters") if e.path == f"{Path(DFLY).name}/model.safetensors"]
+    assert sha256_file(folder / "model.safetensors") == entry.sha256
     assert script.materialise("runs/dfly", tmp_path) == Path("runs/dfly")  # a folder is used as it is
 
 

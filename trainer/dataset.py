@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from angelspec_hf.prompts import chat_ids
+from angelspec_hf.trainer.regenerated_files import read_records, regenerated_file
 
 
 def tokenize_example(tokenizer, prompt: str, response_ids: list[int], max_length: int) -> dict:
@@ -25,21 +24,17 @@ def load_regenerated(
     tokenizer, folder, sets, max_length: int = 768, max_samples: int | None = None, seed: int = 0,
     min_supervised: int = 8,
 ):
-    """A `datasets.Dataset` mixing the regenerated `<set>.jsonl` files of `folder` (shuffled with `seed`), with
-    columns `input_ids`, `supervised`, `example_index` (a stable id used to seed per-example anchor sampling)."""
+    """A `datasets.Dataset` mixing the regenerated `<set>.jsonl.gz` (or plain `<set>.jsonl`) files of `folder`
+    (shuffled with `seed`), with columns `input_ids`, `supervised`, `example_index` (a stable id used to seed
+    per-example anchor sampling). `FileNotFoundError` naming both paths when a set has neither."""
     from datasets import Dataset
 
     rows = []
     for name in sets:
-        path = Path(folder) / f"{name}.jsonl"
-        if not path.exists():
-            raise FileNotFoundError(f"no regenerated responses for {name!r} at {path}: run `angelspec regenerate`")
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                rec = json.loads(line)
-                example = tokenize_example(tokenizer, rec["prompt"], rec["response_ids"], max_length)
-                if sum(example["supervised"]) >= min_supervised:
-                    rows.append(example | {"source": name})
+        for rec in read_records(regenerated_file(folder, name)):
+            example = tokenize_example(tokenizer, rec["prompt"], rec["response_ids"], max_length)
+            if sum(example["supervised"]) >= min_supervised:
+                rows.append(example | {"source": name})
     random.Random(seed).shuffle(rows)
     rows = rows[:max_samples]
     for i, row in enumerate(rows):
