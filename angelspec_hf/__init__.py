@@ -26,16 +26,25 @@ for _config_cls, _model_cls in DRAFTERS.values():
     AutoModel.register(_config_cls, _model_cls, exist_ok=True)
 
 
-def load_drafter(name_or_path, **kwargs) -> DrafterPreTrainedModel:
-    """A drafter from a folder or Hub id: native AngelSpec, z-lab DFlash or AngelSpec DFly layout."""
+def load_drafter(name_or_path, device=None, dtype=None, **kwargs) -> DrafterPreTrainedModel:
+    """A drafter from a folder or Hub id: native AngelSpec, z-lab DFlash or AngelSpec DFly layout, in eval mode.
+    `device`: None → the CPU (as `from_pretrained` loads), else any name `angelspec_hf.devices.resolve_device` reads
+    ("auto", "cuda:1", a `torch.device`); `dtype`: None → the stored dtype, else a `torch.dtype` or a name
+    (`resolve_dtype`; "auto" is float32 on the CPU, bfloat16 on CUDA). To run beside a target, pass the target's
+    `device` and `dtype` (`angelspec_hf.shipped.drafter_for_target` does)."""
+    from angelspec_hf.devices import resolve_device, resolve_dtype
+
+    device = resolve_device("cpu" if device is None else device)
+    if dtype is not None:
+        kwargs["dtype"] = resolve_dtype(dtype, device)
     model = load_foreign_checkpoint(None, name_or_path, **kwargs)
     if model is not None:
-        return model
+        return model.to(device)
     if kwargs.get("local_files_only") and "adapter_kwargs" not in kwargs:
         # transformers 5.24's AutoModel.from_pretrained does not hand `local_files_only` / `cache_dir` on to its PEFT
         # adapter look-up (adapter_config.json), which then asks the Hub even so
         kwargs["adapter_kwargs"] = {k: kwargs[k] for k in ("local_files_only", "cache_dir") if k in kwargs}
-    return AutoModel.from_pretrained(name_or_path, **kwargs).eval()
+    return AutoModel.from_pretrained(name_or_path, **kwargs).to(device).eval()
 
 
 __version__ = "0.1.0"

@@ -10,7 +10,6 @@ mismatch is reported and makes the command exit non-zero. Writes `results.json`,
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from angelspec_hf.cpu_kernels import add_linear_kernels_argument, stock_linears, use_linear_kernels
+from angelspec_hf.devices import add_device_arguments, describe_device
 from angelspec_hf.modeling.draft_policy import clock
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
@@ -113,13 +113,13 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
     records = []
     counter, timer = ForwardCounter(target), ForwardTimer(target)
     try:
-        warm = chat_input_ids(tokenizer, "Hi")
+        warm = chat_input_ids(tokenizer, "Hi", device=target.device)
         for method in methods:  # warm every path once, so no method is timed cold
             target.generate(warm, max_new_tokens=4, do_sample=False, **method_kwargs(method, drafters))
         total, done, began = sum(map(len, prompt_sets.values())) * len(temperatures), 0, time.perf_counter()
         for set_name, prompts in prompt_sets.items():
             for index, prompt in enumerate(prompts):
-                ids = chat_input_ids(tokenizer, prompt).to(target.device)
+                ids = chat_input_ids(tokenizer, prompt, device=target.device)
                 for temperature in temperatures:
                     if done:  # progress on long runs, on stderr (stdout keeps the table)
                         left = (time.perf_counter() - began) / done * (total - done)
@@ -314,7 +314,7 @@ def bench_main(args) -> int:
     if unknown or "ar" not in methods:
         raise SystemExit(f"--methods must include 'ar' and come from {METHODS} or the labels of --drafters; got "
                          f"{sorted(unknown)}")
-    target, tokenizer = angelspec_hf.load_target(args.target)
+    target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     drafters, untrained = {}, []
     needed = {drafter_of(m) for m in methods if drafter_of(m) in DRAFTER_OF.values()}
     needed |= {"mtp", "dfly"} if "router" in methods else set()
@@ -343,7 +343,8 @@ def bench_main(args) -> int:
                f"{args.prompts_per_set} prompts per set; temperatures {temperatures}; "
                + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given.get(f, 'shipped')} (draft {d.num_draft_tokens})"
                            for f, d in drafters.items() if f != "router")
-               + f"; {platform.machine()} CPU, {args.threads} threads; linear kernels: {kernels}")
+               + f"; {describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU "
+               f"threads; linear kernels: {kernels}")
     records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens)
     rows = summarise(records)
     paths = write_outputs(records, rows, args.out, {"setting": setting, "untrained": untrained})
@@ -371,6 +372,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--temperatures", default="0,1")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--threads", type=int, default=2)
+    add_device_arguments(bench)
     add_linear_kernels_argument(bench)
     bench.add_argument("--out", default="outputs/bench")
     bench.add_argument("--concurrency", default=None,

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from angelspec_hf.devices import describe_device
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
+from angelspec_hf.modeling.draft_policy import clock
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 
 
@@ -48,7 +49,7 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
         inflight[rid], started[rid] = i, time.perf_counter()
 
     before = dict(engine.totals)
-    start = time.perf_counter()
+    start = clock(engine.device)  # times read once the device has run the work queued before them
     while queue and len(inflight) < concurrency:
         submit()
     for events in engine.steps():  # finished requests are replaced below until the queue is empty
@@ -57,11 +58,11 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
             outputs.setdefault(i, []).extend(event.token_ids)
             tokens += len(event.token_ids)
             if event.finished:
-                latencies.append(time.perf_counter() - started.pop(event.request_id))
+                latencies.append(clock(engine.device) - started.pop(event.request_id))
                 del inflight[event.request_id]
                 if queue:
                     submit()
-    seconds = time.perf_counter() - start
+    seconds = clock(engine.device) - start
     delta = {k: engine.totals[k] - before[k] for k in ("steps", "decode_row_steps", "accepted", "verified", "pruned",
                                                        "speculative_steps", "lookup_steps")}
     rounds = delta["decode_row_steps"]
@@ -189,7 +190,8 @@ def concurrency_main(args, target, tokenizer, drafters: dict, untrained: list, p
                f"greedy; prompts: {', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())} (chat template); "
                + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else 'trained'} (draft {d.num_draft_tokens})"
                            for f, d in chosen.items())
-               + f"; {platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}; "
+               + f"; {describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU "
+               f"threads, torch {torch.__version__}; "
                f"linear kernels: {getattr(args, 'kernels_line', 'stock')}")
     depths = [int(d) for d in args.fixed_depths.split(",") if d]
     records = run_concurrency_bench(target, chosen, prompts, concurrencies, args.requests_per_client,

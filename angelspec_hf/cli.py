@@ -4,18 +4,20 @@ printing the text, the mean accepted length and the speed-up over plain `generat
 `angelspec prune-vocab` gives a drafter a pruned draft vocabulary (the target's most frequent reply tokens).
 `angelspec serve` runs a TGI-compatible HTTP server on the batched speculative engine.
 `angelspec demo` runs the Gradio Space (`spaces_demo/app.py`) locally.
-`angelspec install-drafters` puts the shipped drafters into the local HF cache, where the commands above find them."""
+`angelspec install-drafters` puts the shipped drafters into the local HF cache, where the commands above find them.
+Every command that runs a model takes `--device` (auto: cuda when a GPU is visible, else cpu) and `--dtype` (auto:
+float32 on cpu, bfloat16 on cuda); see `angelspec_hf.devices`."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import time
+import sys
 from pathlib import Path
 
 from angelspec_hf.cpu_kernels import add_linear_kernels_argument, use_linear_kernels
+from angelspec_hf.devices import DeviceError, add_device_arguments, describe_device, resolve_device, resolve_dtype
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
@@ -32,9 +34,12 @@ def positive_int(text: str) -> int:
 
 
 def _time_generate(target, input_ids, **kwargs):
-    start = time.perf_counter()
+    """`(output, seconds)`, the seconds measured once the device has run the work (`clock`)."""
+    from angelspec_hf.modeling.draft_policy import clock
+
+    start = clock(target.device)
     out = target.generate(input_ids, **kwargs)
-    return out, time.perf_counter() - start
+    return out, clock(target.device) - start
 
 
 def cmd_generate(args) -> int:
@@ -46,8 +51,9 @@ def cmd_generate(args) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} ...", flush=True)
-    target, tokenizer = angelspec_hf.load_target(args.target)
+    print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} on {args.device} "
+          f"({str(args.dtype).removeprefix('torch.')}) ...", flush=True)
+    target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained
 
     if args.drafter in DRAFTERS:
@@ -64,7 +70,7 @@ def cmd_generate(args) -> int:
     else:
         drafter = drafter_for_target(args.drafter, target)
     kernels = use_linear_kernels(args.linear_kernels, target, drafter)
-    input_ids = chat_input_ids(tokenizer, args.prompt)
+    input_ids = chat_input_ids(tokenizer, args.prompt, device=target.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     _time_generate(target, input_ids[:, :8], max_new_tokens=4, do_sample=False)  # warm-up, both paths
@@ -88,7 +94,7 @@ def cmd_generate(args) -> int:
     print(f"drafter            : {type(drafter).__name__} ({args.drafter}), {drafter.num_draft_tokens} draft tokens "
           f"per round (block {block})")
     print(f"setting            : greedy (temperature 0), {new_tokens} new tokens, median of {args.repeats} runs, "
-          f"{platform.machine()} CPU, {args.threads} threads")
+          f"{describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU threads")
     print(f"linear kernels     : {kernels}, for both")
     print(f"identical to plain : yes ({args.repeats}/{args.repeats} runs)")
     print(f"mean accepted len  : {statistics.median(taus):.2f} tokens per target forward (bonus token included)")
@@ -106,15 +112,16 @@ def cmd_regenerate(args) -> int:
     import angelspec_hf
     from angelspec_hf.trainer.data import load_train_prompts
     from angelspec_hf.trainer.regenerate import regenerate
+    from angelspec_hf.trainer.regenerated_files import output_file
 
     torch.set_num_threads(args.threads)
-    target, tokenizer = angelspec_hf.load_target(args.target)
+    target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     slug = re.sub(r"[^a-z0-9]+", "-", (args.target or "smollm2-135m-instruct").lower()).strip("-")
     out_dir = Path(args.out or f"data/regenerated/{slug}")
     for name in args.sets.split(","):
         records = load_train_prompts(name)[: args.limit]
         stats = regenerate(
-            target, tokenizer, records, out_dir / f"{name}.jsonl", batch_size=args.batch_size,
+            target, tokenizer, records, output_file(out_dir, name), batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, do_sample=args.sample,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         )
@@ -133,8 +140,8 @@ def cmd_serve(args) -> int:
 
     torch.set_num_threads(args.threads)
     model_id = args.target or angelspec_hf.targets.DEFAULT_TARGET
-    print(f"loading target: {model_id} ...", flush=True)
-    target, tokenizer = angelspec_hf.load_target(args.target)
+    print(f"loading target: {model_id} on {args.device} ({str(args.dtype).removeprefix('torch.')}) ...", flush=True)
+    target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     trained = True
     if args.drafter == "none":
         drafter = None
@@ -162,7 +169,8 @@ def cmd_serve(args) -> int:
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
         max_payload_bytes=args.payload_limit, max_client_batch_size=args.max_client_batch_size,
         info_extra={"angelspec": {"drafter": args.drafter, "drafter_trained": trained, "verify": args.verify,
-                                  "max_batch_size": args.max_batch_size, "linear_kernels": kernels}},
+                                  "max_batch_size": args.max_batch_size, "linear_kernels": kernels,
+                                  "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}},
     )
     serve(app, host=args.host, port=args.port)
     return 0
@@ -174,7 +182,8 @@ def cmd_demo(args) -> int:
     except ImportError as error:
         raise ImportError(f"`angelspec demo` needs gradio and pandas ({error}); install them with "
                           "`pip install 'angelspec-hf[demo]'`") from error
-    demo_main(host=args.host, port=args.port, threads=args.threads, share=args.share)
+    demo_main(host=args.host, port=args.port, threads=args.threads, share=args.share, device=args.device,
+              dtype=args.dtype)
     return 0
 
 
@@ -183,11 +192,12 @@ def cmd_install_drafters(args) -> int:
     loads them by id; checked with huggingface_hub's offline resolution."""
     from angelspec_hf.hub_cache import hub_cache_dir
     from angelspec_hf.shipped import install_shipped
+    from angelspec_hf.weights_store import WeightsStoreError
 
     families = [f for f in args.families.split(",") if f]
     try:
-        installed = install_shipped(args.source, args.cache_dir, families)
-    except (FileNotFoundError, ValueError) as error:
+        installed = install_shipped(args.source, args.cache_dir, families)  # writes a checkout's weights from git
+    except (FileNotFoundError, ValueError, WeightsStoreError) as error:
         print(f"cannot install the shipped drafters: {error}")
         return 1
     print(f"HF cache: {hub_cache_dir(args.cache_dir)}")
@@ -251,12 +261,14 @@ def main(argv=None) -> int:
     gen.add_argument("--repeats", type=int, default=3)
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     gen.add_argument("--seed", type=int, default=0)
+    add_device_arguments(gen)
     add_linear_kernels_argument(gen)
     gen.set_defaults(func=cmd_generate)
     inst = sub.add_parser("install-drafters", help="put the shipped drafters into the local HF cache under their "
                           "Hub ids (offline), where `generate`, `serve`, `bench` and the demo find them")
     inst.add_argument("--from", dest="source", default=None,
-                      help="folder holding smollm2-135m-instruct-{mtp,dflash,dfly}/ (default: drafters/ of this checkout)")
+                      help="folder holding smollm2-135m-instruct-{mtp,dflash,dfly}/ (default: drafters/ of this "
+                      "checkout; the weights its weights.json lists are first written from git)")
     inst.add_argument("--cache-dir", default=None,
                       help="HF hub cache (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
     inst.add_argument("--families", default="mtp,dflash,dfly")
@@ -270,7 +282,8 @@ def main(argv=None) -> int:
                      help="eagle3: the target whose LM head the export carries (default: the embedded SmolLM2)")
     exp.add_argument("--out", required=True, help="output folder")
     exp.set_defaults(func=cmd_export)
-    reg = sub.add_parser("regenerate", help="the target's own responses to TRAIN prompts (resumable jsonl)")
+    reg = sub.add_parser("regenerate", help="the target's own responses to TRAIN prompts (resumable; "
+                         "<set>.jsonl.gz, or the <set>.jsonl already there)")
     reg.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     reg.add_argument("--sets", default="code_alpaca,gsm8k,gpteacher_codegen,sharegpt,alpaca")
     reg.add_argument("--out", default=None, help="output folder (default: data/regenerated/<target>)")
@@ -283,6 +296,7 @@ def main(argv=None) -> int:
     reg.add_argument("--top-p", type=float, default=1.0)
     reg.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     reg.add_argument("--seed", type=int, default=0)
+    add_device_arguments(reg)
     reg.set_defaults(func=cmd_regenerate)
     srv = sub.add_parser("serve", help="TGI-compatible HTTP server on the batched speculative engine (D-Cut)")
     srv.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -302,6 +316,7 @@ def main(argv=None) -> int:
     srv.add_argument("--payload-limit", type=int, default=2_000_000, help="request body bytes (TGI's flag)")
     srv.add_argument("--max-client-batch-size", type=int, default=4, help="prompts per /v1/completions request")
     srv.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    add_device_arguments(srv)
     add_linear_kernels_argument(srv)
     srv.set_defaults(func=cmd_serve)
     demo = sub.add_parser("demo", help="the Gradio Space, locally: plain vs speculative generation, live")
@@ -309,6 +324,7 @@ def main(argv=None) -> int:
     demo.add_argument("--port", type=int, default=None, help="default: 7860, or the next free port")
     demo.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     demo.add_argument("--share", action="store_true", help="a temporary public gradio.live link")
+    add_device_arguments(demo)
     demo.set_defaults(func=cmd_demo)
     from angelspec_hf.bench import add_bench_parser
     from angelspec_hf.draft_vocab import add_prune_vocab_parser
@@ -318,11 +334,19 @@ def main(argv=None) -> int:
     train = sub.add_parser("train", help="train a drafter (all TrainingArguments flags; see --help)", add_help=False)
     train.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "train":
-        from angelspec_hf.trainer.run import main as train_main
+    try:
+        if args.command == "train":
+            from angelspec_hf.trainer.run import main as train_main
 
-        return train_main(rest)
-    return args.func(parser.parse_args(argv))
+            return train_main(rest)
+        args = parser.parse_args(argv)
+        if hasattr(args, "device"):  # resolved before any model loads: a missing GPU is said at once
+            args.device = resolve_device(args.device)
+            args.dtype = resolve_dtype(args.dtype, args.device)
+        return args.func(args)
+    except DeviceError as error:  # a device or dtype this machine cannot use: the message, no traceback
+        print(f"angelspec {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import contextlib
 import torch
 from torch import nn
 
+from angelspec_hf.devices import DeviceError
+
 __all__ = ["PrepackedLinear", "is_prepacked", "prepack_available", "prepack_linears", "stock_linears",
            "use_linear_kernels"]
 
@@ -184,9 +186,17 @@ def _switch_packed(models, enabled: bool) -> None:
 
 def use_linear_kernels(kind: str, *models) -> str:
     """Apply `--linear-kernels` (`KERNELS`) to `models` (anything not an `nn.Module`, such as a router, is skipped;
-    with "auto" the first is the target that is timed); returns the line the commands print and record."""
+    with "auto" the first is the target that is timed); returns the line the commands print and record. Prepacking is
+    a CPU trick: on another device "auto" keeps the stock kernels and "prepacked" raises a `DeviceError`."""
     if kind not in KERNELS:
         raise ValueError(f"linear kernels must be one of {KERNELS}, got {kind!r}")
+    elsewhere = sorted({str(p.device) for m in models if isinstance(m, nn.Module)
+                        for p in m.parameters() if p.device.type != "cpu"})
+    if elsewhere and kind != "stock":
+        if kind == "prepacked":
+            raise DeviceError(f"--linear-kernels prepacked: oneDNN-prepacked linears run on the CPU only, and the models "
+                             f"are on {', '.join(elsewhere)}; use --linear-kernels stock or auto there")
+        return f"stock (torch.nn.functional.linear; prepacking is for the CPU, the models are on {', '.join(elsewhere)})"
     if kind == "auto":
         return choose_linear_kernels(*models)
     if kind == "stock":
@@ -206,5 +216,6 @@ def add_linear_kernels_argument(parser) -> None:
     parser.add_argument("--linear-kernels", choices=KERNELS, default="auto",
                         help="prepacked: the target's and drafter's fp32 CPU linears read oneDNN-prepacked weights "
                              "(a multi-token verify costs about one decode step on some CPUs; see "
-                             "angelspec_hf.cpu_kernels); stock: torch's F.linear; auto: whichever of the two runs the "
-                             "target's plain step and 8-token verify faster on this machine, timed at start (~1 s)")
+                             "angelspec_hf.cpu_kernels; CPU only); stock: torch's F.linear; auto: on the CPU whichever "
+                             "of the two runs the target's plain step and 8-token verify faster on this machine, timed "
+                             "at start (~1 s), elsewhere stock")

@@ -12,19 +12,19 @@ greedy replies to EVAL prompts.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
+
+from angelspec_hf.devices import add_device_arguments
 
 
 def response_token_counts(files) -> Counter:
-    """Token frequencies over the `response_ids` of regenerated jsonl files."""
+    """Token frequencies over the `response_ids` of regenerated jsonl files (`.jsonl.gz` or plain `.jsonl`)."""
+    from angelspec_hf.trainer.regenerated_files import read_records
+
     counts = Counter()
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    counts.update(json.loads(line)["response_ids"])
+        for rec in read_records(path):
+            counts.update(rec["response_ids"])
     return counts
 
 
@@ -68,7 +68,7 @@ def cmd_prune_vocab(args) -> int:
     from angelspec_hf.prompts import chat_input_ids, load_eval_prompts
 
     torch.set_num_threads(args.threads)
-    target, tokenizer = angelspec_hf.load_target(args.target)
+    target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     if args.drafter in DRAFTERS:
         from angelspec_hf.shipped import shipped_drafter_path
 
@@ -79,11 +79,13 @@ def cmd_prune_vocab(args) -> int:
     else:
         drafter = angelspec_hf.load_drafter(args.drafter)
     drafter.check_target(target)
-    data = Path(args.data)
-    files = [data / f"{name}.jsonl" for name in args.sets.split(",")]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise SystemExit(f"no regenerated responses at {', '.join(missing)} (see `angelspec regenerate`)")
+    from angelspec_hf.trainer.regenerated_files import regenerated_file
+
+    names = args.sets.split(",")
+    try:
+        files = [regenerated_file(args.data, name) for name in names]
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
     counts = response_token_counts(files)
     eos = target.generation_config.eos_token_id
     specials = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.all_special_ids)
@@ -92,11 +94,11 @@ def cmd_prune_vocab(args) -> int:
     from_responses = len(set(counts) | (specials - {None}))
     print(f"draft vocabulary: {len(ids)} of {target.config.get_text_config().vocab_size} ids: "
           f"{min(from_responses, len(ids))} from {sum(counts.values())} response tokens of "
-          f"{', '.join(f.stem for f in files)}, the rest from {sum(fill.values())} TRAIN prompt tokens")
+          f"{', '.join(names)}, the rest from {sum(fill.values())} TRAIN prompt tokens")
     for name in [s for s in args.eval_sets.split(",") if s] if args.eval_prompts else []:
         replies = []
         for prompt in load_eval_prompts(name, args.eval_prompts):
-            input_ids = chat_input_ids(tokenizer, prompt)
+            input_ids = chat_input_ids(tokenizer, prompt, device=target.device)
             out = target.generate(input_ids, max_new_tokens=args.eval_tokens, do_sample=False)
             replies.append(out[0, input_ids.shape[1]:].tolist())
         print(f"coverage on the target's greedy replies to {len(replies)} EVAL {name} prompts "
@@ -112,7 +114,8 @@ def add_prune_vocab_parser(sub) -> None:
     p.add_argument("--drafter", default="dfly", help="mtp|dflash|dfly (shipped) or a folder / Hub id")
     p.add_argument("--target", default=None)
     p.add_argument("--size", type=int, default=8192, help="number of target token ids kept")
-    p.add_argument("--data", default="data/regenerated/smollm2-135m-instruct", help="regenerated TRAIN responses")
+    p.add_argument("--data", default="data/regenerated/smollm2-135m-instruct", help="folder of regenerated TRAIN responses "
+                   "(<set>.jsonl.gz or <set>.jsonl)")
     p.add_argument("--sets", default="gsm8k,code_alpaca,gpteacher_codegen,sharegpt,alpaca",
                    help="regenerated TRAIN response files to count")
     p.add_argument("--prompt-sets", default="gsm8k,code_alpaca,gpteacher_codegen,sharegpt,alpaca",
@@ -121,5 +124,6 @@ def add_prune_vocab_parser(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=4, help="EVAL prompts per set (0: skip the coverage check)")
     p.add_argument("--eval-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    add_device_arguments(p)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_prune_vocab)

@@ -83,8 +83,8 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def chat_input_ids(tokenizer, prompt: str):
-    """`chat_ids` as a `[1, T]` tensor."""
+def chat_input_ids(tokenizer, prompt: str, device=None):
+    """`chat_ids` as a `[1, T]` tensor on `device` (default: the CPU; pass the model's device)."""
     import torch
 
-    return torch.tensor([chat_ids(tokenizer, prompt)], dtype=torch.long)
+    return torch.tensor([chat_ids(tokenizer, prompt)], dtype=torch.long, device=device)

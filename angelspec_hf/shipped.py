@@ -3,7 +3,11 @@ drafters: by Hub id (`SHIPPED_ORG/smollm2-135m-instruct-{mtp,dflash,dfly}`) from
 from the network. `angelspec install-drafters` puts them there from their Hub-layout folders (`drafters/` of a
 checkout: fp16 safetensors, config, modeling code, model card). A checkout also works without the cache: its
 `drafters/` folder is used when the cache lacks a drafter or holds other files than the checkout's, and the caller is
-told which was used. `python -m angelspec_hf.ship RUN DEST` writes a training run's final weights into that layout."""
+told which was used. `python -m angelspec_hf.ship RUN DEST` writes a training run's final weights into that layout.
+
+A checkout keeps the weights as git blobs, not as tracked files: `drafters/weights.json` lists them and
+`angelspec_hf.weights_store` writes them from git when they are missing (`angelspec install-drafters` does, and so do
+the functions here on first use)."""
 
 from __future__ import annotations
 
@@ -11,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from angelspec_hf.hub_cache import content_revision, folder_entries, hub_cache_dir, install_folder
+from angelspec_hf.weights_store import CHECKOUT_DRAFTERS, WeightsStoreError, materialise
 
 SHIPPED_ORG = "angelspec-hf"  # the Hub organisation the shipped drafters are published under
 SHIPPED_PREFIX = "smollm2-135m-instruct-"
 SHIPPED_FAMILIES = ("mtp", "dflash", "dfly")
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafters"  # a checkout's; a wheel does not carry it
+SHIPPED_DIR = CHECKOUT_DRAFTERS  # a checkout's drafters/; a wheel does not carry it
 
 
 def shipped_repo_id(family: str) -> str:
@@ -70,7 +75,10 @@ def find_shipped(family: str, cache_dir=None, why: list | None = None) -> Shippe
     snapshot, cache_reason = _cached_snapshot(repo_id, cache)
     if snapshot is not None and not (snapshot / "config.json").is_file():
         snapshot, cache_reason = None, f"the HF cache's snapshot of {repo_id} has no config.json ({snapshot})"
-    local = checkout_drafter_path(family)
+    try:
+        local, local_reason = checkout_drafter_path(family), ""
+    except WeightsStoreError as error:
+        local, local_reason = None, str(error)
     if snapshot is not None:
         revision = snapshot.name
         if local is None or content_revision(folder_entries(local)) == revision:
@@ -81,17 +89,27 @@ def find_shipped(family: str, cache_dir=None, why: list | None = None) -> Shippe
         return ShippedDrafter(family, repo_id, "checkout", local,
                               f"{local} in this checkout ({cache_reason}; `angelspec install-drafters` installs it)")
     if why is not None:
-        why.append(f"no shipped {family} drafter: {cache_reason}, and there is no checkout folder "
-                   f"{SHIPPED_DIR / (SHIPPED_PREFIX + family)}; run `angelspec install-drafters --from <a checkout's "
-                   f"drafters/ folder>`")
+        checkout = (f"the checkout folder lacks its weights: {local_reason}" if local_reason else
+                    f"there is no checkout folder {SHIPPED_DIR / (SHIPPED_PREFIX + family)}")
+        why.append(f"no shipped {family} drafter: {cache_reason}, and {checkout}; run `angelspec install-drafters "
+                   f"--from <a checkout's drafters/ folder>`")
     return None
 
 
 def checkout_drafter_path(family: str) -> Path | None:
     """The checkout's `drafters/` folder of `family`, or None (an installed package). Edit the shipped drafters here:
-    the files of a cache snapshot are symlinks into blobs named by their content."""
+    the files of a cache snapshot are symlinks into blobs named by their content. Weights listed in
+    `drafters/weights.json` but missing from the folder are written from git first; `WeightsStoreError` (naming
+    `angelspec install-drafters --from drafters`) when git cannot give them."""
     path = SHIPPED_DIR / f"{SHIPPED_PREFIX}{family}"
-    return path if (path / "config.json").is_file() else None
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        materialise(SHIPPED_DIR, names=[path.name], verify=False)
+    except WeightsStoreError as error:
+        raise WeightsStoreError(f"{path} lacks its weights and they cannot be written from git: {error} (then run "
+                                f"`angelspec install-drafters --from {SHIPPED_DIR}`)") from error
+    return path
 
 
 def shipped_drafter_path(family: str, cache_dir=None) -> Path | None:
@@ -103,38 +121,39 @@ def shipped_drafter_path(family: str, cache_dir=None) -> Path | None:
 
 def untrained_drafter(family: str, target, seed: int = 0, **overrides):
     """A fresh drafter of `family` for `target` with random weights, the same ones for the same `seed` (the global
-    RNG is left as it was)."""
+    RNG is left as it was), on the target's device in its dtype."""
     import torch
 
     from angelspec_hf.modeling import DRAFTERS
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return DRAFTERS[family][1].from_target(target, **overrides).eval()
+        drafter = DRAFTERS[family][1].from_target(target, **overrides)
+    return drafter.to(target.device, target.dtype).eval()
 
 
 def drafter_for_target(name_or_path: str, target):
-    """A drafter named by folder or Hub id, ready to run beside `target`: in the target's dtype (as the shipped ones
-    are), so a drafter stored in fp16 runs, like its target, in fp32 on a CPU - where fp16 matmuls are slow and only
-    fp32 linears are prepacked (`--linear-kernels prepacked`)."""
+    """A drafter named by folder or Hub id, ready to run beside `target`: on its device, in its dtype (as the shipped
+    ones are), so a drafter stored in fp16 runs, like its target, in fp32 on a CPU - where fp16 matmuls are slow and
+    only fp32 linears are prepacked (`--linear-kernels prepacked`) - and in bf16 beside a bf16 target on a GPU."""
     import angelspec_hf
 
-    return angelspec_hf.load_drafter(name_or_path).to(target.dtype).eval()
+    return angelspec_hf.load_drafter(name_or_path, device=target.device, dtype=target.dtype)
 
 
 def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
-    """`(drafter, trained)`: the shipped drafter of `family` in the target's dtype (from `folder` when it holds one,
-    e.g. a Space's own copy; else by Hub id, see `find_shipped`), or a fresh untrained one (`untrained_drafter`) when
-    none is found or the one found was not made for `target` (the shipped ones are the embedded
-    SmolLM2-135M-Instruct's). One line is appended to `why` when given: where the drafter came from, or the reason for
-    an untrained one."""
+    """`(drafter, trained)`: the shipped drafter of `family` on the target's device, in the target's dtype unless
+    `dtype` is given (from `folder` when it holds one, e.g. a Space's own copy; else by Hub id, see `find_shipped`),
+    or a fresh untrained one (`untrained_drafter`, on the target's device and dtype) when none is found or the one
+    found was not made for `target` (the shipped ones are the embedded SmolLM2-135M-Instruct's). One line is appended
+    to `why` when given: where the drafter came from, or the reason for an untrained one."""
     reasons = []
     if folder is not None and (Path(folder) / "config.json").is_file():
         found = ShippedDrafter(family, shipped_repo_id(family), "folder", Path(folder), f"from {folder}")
     else:
         found = find_shipped(family, cache_dir, why=reasons)
     if found is not None:
-        drafter = found.load().to(dtype or target.dtype).eval()
+        drafter = found.load(device=target.device, dtype=dtype or target.dtype)
         depth = target.config.get_text_config().num_hidden_layers
         try:
             drafter.check_target(target)
@@ -153,8 +172,9 @@ def shipped_or_untrained(family: str, target, dtype=None, why: list | None = Non
 
 def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> list[tuple[str, Path, str, bool]]:
     """Put the shipped drafters from `source` (a folder holding `smollm2-135m-instruct-<family>/`; default: this
-    checkout's `drafters/`) into the HF cache under their Hub ids. Returns `(repo id, snapshot, revision, changed)`
-    per family, each checked with huggingface_hub's own offline resolution."""
+    checkout's `drafters/`) into the HF cache under their Hub ids, after writing the weights its `weights.json` lists
+    from git (`weights_store.materialise`; `WeightsStoreError` when git cannot). Returns `(repo id, snapshot,
+    revision, changed)` per family, each checked with huggingface_hub's own offline resolution."""
     source = Path(source) if source is not None else SHIPPED_DIR
     if not source.is_dir():
         raise FileNotFoundError(f"{source} does not exist (an installed package carries no drafters/): pass --from "
@@ -163,6 +183,8 @@ def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> l
     if missing:
         raise FileNotFoundError(f"{source} has no shipped drafter folder for {missing} "
                                 f"(expected {SHIPPED_PREFIX}<family>/config.json)")
+    # a checkout's weights live in git (source/weights.json): write the missing or differing ones first
+    materialise(source, names=[f"{SHIPPED_PREFIX}{f}" for f in families])
     installed = []
     for family in families:
         repo_id = shipped_repo_id(family)

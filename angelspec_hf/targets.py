@@ -88,18 +88,25 @@ def _save_dequantised(model, folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def load_target(name_or_path: str | None = None, dtype=None):
-    """`(model, tokenizer)` for a Hub id / local folder, or the embedded SmolLM2 target when `name_or_path` is None."""
-    import torch
+def load_target(name_or_path: str | None = None, dtype=None, device=None):
+    """`(model, tokenizer)` for a Hub id / local folder, or the embedded SmolLM2 target when `name_or_path` is None,
+    in eval mode on `device` in `dtype`. `device`: None → the CPU (as `from_pretrained` loads), "auto" → CUDA when
+    available, or any name `angelspec_hf.devices.resolve_device` reads; `dtype`: None / "auto" → float32 on the CPU,
+    bfloat16 on CUDA (`resolve_dtype`), or a `torch.dtype` / name. Raises `DeviceError` for a device this machine
+    lacks, before anything is loaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = dtype or torch.float32
+    from angelspec_hf.devices import resolve_device, resolve_dtype
+
+    device = resolve_device("cpu" if device is None else device)
+    dtype = resolve_dtype(dtype, device)
     if name_or_path is None:
         model, tokenizer = _load_embedded(dtype)
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    return model.eval(), tokenizer
+        on_device = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU, not via host RAM
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **on_device)
+    return model.to(device).eval(), tokenizer
 
 
 def load_default_tokenizer():
@@ -113,7 +120,7 @@ def load_default_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
 
 
-def load_default_target(dtype=None):
+def load_default_target(dtype=None, device=None):
     """The embedded SmolLM2-135M-Instruct as `(LlamaForCausalLM, tokenizer)`, dequantised to fp32 (~18 s the first
-    time on a machine, ~1 s after that)."""
-    return load_target(None, dtype=dtype)
+    time on a machine, ~1 s after that), then in `dtype` on `device` (see `load_target`)."""
+    return load_target(None, dtype=dtype, device=device)

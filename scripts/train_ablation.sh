@@ -8,7 +8,7 @@
 # The runs go one after another on one thread; rerunning continues each from its last checkpoint. τ and first-token
 # acceptance at the end (8 EVAL prompts per set, 64 tokens, whole blocks) are then tabulated by
 # `python scripts/ablation_table.py OUT`.
-# Usage: scripts/train_ablation.sh [STEPS] [OUT]
+# Usage: [DEVICE=auto|cpu|cuda] scripts/train_ablation.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-200}
@@ -16,7 +16,7 @@ OUT=${2:-outputs/ablation}
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 1e-3 --warmup_steps 10 --lr_scheduler_type cosine
         --max_seq_length 384 --num_anchors 32 --logging_steps 10 --save_steps 50 --save_total_limit 1
-        --eval_steps "$STEPS" --eval_prompts 8 --eval_max_new_tokens 64 --report_to none --use_cpu true
+        --eval_steps "$STEPS" --eval_prompts 8 --eval_max_new_tokens 64 --report_to none --device "${DEVICE:-auto}"
         --dataloader_num_workers 0 --resume true --seed 0 --max_steps "$STEPS"
         --train_sets gsm8k code_alpaca gpteacher_codegen --draft_vocab_from drafters/smollm2-135m-instruct-dfly)
 train() { OMP_NUM_THREADS=1 .venv/bin/python -c "import sys, torch; torch.set_num_threads(1)

@@ -20,7 +20,7 @@
 # bf16 autocast (`--bf16 true`; the target's states and the teacher's logits stay fp32): a cached step 1.7 s instead of
 # 2.6 s in the same benchmark run. Rounds 1-5 ran without both. THREADS (default 1) per run.
 # Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [FEATURES=<folder>] [BF16=1] [THREADS=1]
-#        [SHIP=1] scripts/train_release.sh [STEPS] [OUT]
+#        [SHIP=1] [DEVICE=auto|cpu|cuda] scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-1000}
@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 5e-4 --warmup_steps 20 --lr_scheduler_type cosine
         --max_seq_length 384 --num_anchors 64 --resample_anchors true --loss_kind ce+kl
         --logging_steps 10 --save_steps 50 --save_total_limit 1 --eval_steps 250 --eval_prompts 8
-        --eval_max_new_tokens 64 --report_to tensorboard --use_cpu true --dataloader_num_workers 0
+        --eval_max_new_tokens 64 --report_to tensorboard --device "${DEVICE:-auto}" --dataloader_num_workers 0
         --resume true --seed "$SEED" --max_steps "$STEPS"
         --train_sets gsm8k code_alpaca gpteacher_codegen --draft_vocab_from drafters/smollm2-135m-instruct-dfly)
 train() { OMP_NUM_THREADS=$THREADS .venv/bin/python -c "import sys, torch; torch.set_num_threads($THREADS)

@@ -3,7 +3,7 @@
 # trainer on data/regenerated/: DFly and DFlash (block 8) on identical code + math data, steps and batch (the same
 # cached fp16 target features feed both), MTP (4 steps) on chat. The three runs go side by side, one thread each;
 # rerunning the script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/.
-# Usage: scripts/train_release.sh [CODE_MATH_STEPS] [CHAT_STEPS] [OUT]
+# Usage: [DEVICE=auto|cpu|cuda] scripts/train_release_round1.sh [CODE_MATH_STEPS] [CHAT_STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-800}
@@ -12,7 +12,7 @@ OUT=${3:-outputs/release}
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 1e-3 --warmup_steps 50 --lr_scheduler_type cosine
         --max_seq_length 384 --num_anchors 16 --logging_steps 20 --save_steps 200 --save_total_limit 1
-        --report_to tensorboard --use_cpu true --eval_prompts 8 --eval_max_new_tokens 64
+        --report_to tensorboard --device "${DEVICE:-auto}" --eval_prompts 8 --eval_max_new_tokens 64
         --dataloader_num_workers 0 --feature_mode cached --resume true --seed 0)
 train() { OMP_NUM_THREADS=1 .venv/bin/python -c "import sys, torch; torch.set_num_threads(1)
 from angelspec_hf.trainer.run import main; sys.exit(main(sys.argv[1:]))" "$@"; }

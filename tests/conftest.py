@@ -18,6 +18,17 @@ import torch  # noqa: E402
 from helpers import FAMILIES, cores_per_worker, tiny_target  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need CUDA: skipped, with the reason, where this torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+    skip = pytest.mark.skip(reason=f"needs a CUDA device (torch.cuda.is_available() is False: {why})")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def one_thread_for_tiny_models(request):
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads cost them up to 10x;

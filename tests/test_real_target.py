@@ -29,6 +29,7 @@ def test_default_target_is_the_embedded_smollm2(real):
     target, tokenizer, _, plain = real
     c = target.config
     assert (type(target).__name__, c.num_hidden_layers, c.hidden_size, c.vocab_size) == ("LlamaForCausalLM", 30, 576, 49152)
+    assert (target.device.type, target.dtype) == ("cpu", torch.float32)  # the loaders' default, as from_pretrained's
     text = tokenizer.decode(plain[4][0], skip_special_tokens=True)  # a HumanEval prompt: the reply should be code
     assert "def " in text
 

@@ -24,12 +24,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny target saved as a normal HF folder (with the real tokenizer) and its regenerated responses."""
+    """A tiny target saved as a normal HF folder (with the real tokenizer) and its regenerated responses (gzip
+    jsonl, as the project keeps them)."""
     root = tmp_path_factory.mktemp("tiny")
     target, tokenizer = tiny_chat_target()
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
-    regenerate(target, tokenizer, load_train_prompts("gsm8k")[:16], root / "data" / "gsm8k.jsonl", batch_size=8,
+    regenerate(target, tokenizer, load_train_prompts("gsm8k")[:16], root / "data" / "gsm8k.jsonl.gz", batch_size=8,
                max_new_tokens=24, max_prompt_tokens=200, progress=False)
     return root
 

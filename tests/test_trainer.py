@@ -279,3 +279,22 @@ def test_measured_acceptance_is_the_drafters_own(setup):
     stats = drafter.last_speculation_stats
     assert stats.lookup_rounds == 0 and stats.plain_steps == 0 and result["rounds"] == stats.rounds > 0
     assert drafter.config.lookup_tokens == 10 and drafter.config.draft_length == "auto"  # restored
+
+
+def test_time_limit_stops_at_the_first_step_past_it():
+    """`max_train_seconds` (`run.TimeLimit`): training stops at the first step that ends at or past the limit, not
+    before; a non-positive limit is refused."""
+    from transformers import TrainerControl, TrainerState
+
+    from angelspec_hf.trainer.run import TimeLimit
+
+    now = [100.0]
+    limit, state, control = TimeLimit(30, clock=lambda: now[0]), TrainerState(), TrainerControl()
+    limit.on_train_begin(None, state, control)
+    for t in (110.0, 129.9):
+        now[0] = t
+        assert not limit.on_step_end(None, state, control).should_training_stop
+    now[0] = 130.0
+    assert limit.on_step_end(None, state, control).should_training_stop
+    with pytest.raises(ValueError, match="max_train_seconds"):
+        DrafterTrainingArguments(output_dir="unused", max_train_seconds=0)

@@ -65,7 +65,8 @@ class DrafterTrainingArguments(TrainingArguments):
     )
     regenerated_dir: str = field(
         default="data/regenerated/smollm2-135m-instruct",
-        metadata={"help": "Folder of `<set>.jsonl` target-regenerated responses (`angelspec regenerate`)."},
+        metadata={"help": "Folder of `<set>.jsonl.gz` (or plain `<set>.jsonl`) target-regenerated responses "
+                          "(`angelspec regenerate`)."},
     )
     max_seq_length: int = field(default=768, metadata={"help": "Training sequences are cut to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training samples."})
@@ -73,6 +74,11 @@ class DrafterTrainingArguments(TrainingArguments):
         default=0, metadata={"help": "Acceptance eval: this many EVAL prompts per set, τ measured with generate()."}
     )
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Acceptance eval: tokens generated per prompt."})
+    max_train_seconds: float | None = field(
+        default=None, metadata={"help": "Stop once this many seconds of training steps have passed (the drafter, its "
+                                        "state and card are then saved as at max_steps; max_steps still shapes the "
+                                        "learning-rate schedule). For runs with a hard time limit."}
+    )
 
     def __post_init__(self):
         if self.drafter_type not in DRAFTER_TYPES:
@@ -83,6 +89,8 @@ class DrafterTrainingArguments(TrainingArguments):
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
         if self.loss_decay_gamma <= 0:
             raise ValueError(f"loss_decay_gamma must be positive, got {self.loss_decay_gamma}")
+        if self.max_train_seconds is not None and self.max_train_seconds <= 0:
+            raise ValueError(f"max_train_seconds must be positive, got {self.max_train_seconds}")
         if self.mtp_num_steps < 1:
             raise ValueError(f"mtp_num_steps must be >= 1, got {self.mtp_num_steps}")
         if self.mtp_step_weights is None:

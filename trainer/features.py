@@ -28,7 +28,8 @@ def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, fina
                    shard_size: int = 512):
     """Add an fp16 `features` column (one `[T, H * len(layer_ids)]` array per example; with `final`, a `final` column
     of the target's last normed hidden states too, for distillation) and save to `folder`; returns the dataset
-    re-opened from disk (memory-mapped).
+    re-opened from disk (memory-mapped). The target runs on its own device (the training device, see
+    `angelspec_hf.trainer.run.train`); the arrays are copied to the host as fp16.
 
     The pass is written in shards of `shard_size` examples, each saved under a temporary name and renamed when whole,
     so a killed run loses at most the shard in progress: run again with the same data and layers, it keeps the shards
@@ -70,12 +71,14 @@ def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, fina
         shutil.rmtree(leftover)
 
     collate = DrafterCollator(pad_token_id=0)
+    device = next(target.parameters()).device  # the target runs where it is (the training device); arrays on the host
 
     def add_features(batch):
         examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
         padded = collate(examples)
-        feats, last = target_states(target, padded["input_ids"], padded["attention_mask"], layer_ids, final)
-        columns = {"features": feats.half()} | ({"final": last.half()} if final else {})
+        feats, last = target_states(target, padded["input_ids"].to(device), padded["attention_mask"].to(device),
+                                    layer_ids, final)
+        columns = {"features": feats.half().cpu()} | ({"final": last.half().cpu()} if final else {})
         return {name: [v[: len(e["input_ids"])].numpy() for v, e in zip(values, examples)]
                 for name, values in columns.items()}
 

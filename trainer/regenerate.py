@@ -1,38 +1,19 @@
 """Self-distillation data: the target's own responses to TRAIN prompts, so a drafter learns what the target says.
 
-Batched (left-padded) generation, appended to a jsonl file batch by batch and fsync'd, so a killed run resumes where
-it stopped: records whose `id` is already in the file are skipped.
+Batched (left-padded) generation, appended batch by batch and fsync'd to a jsonl file, gzip (`<set>.jsonl.gz`: one
+gzip member per batch) or plain (`<set>.jsonl`) by its name (`regenerated_files.output_file` picks it), so a killed
+run resumes where it stopped: records whose `id` is already in the file are skipped.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from angelspec_hf.prompts import chat_ids
-
-
-def done_ids(path: Path) -> set[str]:
-    """Ids already written. A run killed in the middle of a write leaves a partial last line: it is cut off."""
-    if not path.exists():
-        return set()
-    ids, good_bytes = set(), 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):  # the write of this line did not finish
-                break
-            try:
-                ids.add(json.loads(raw)["id"])
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError):
-                break
-            good_bytes += len(raw)
-    if good_bytes < path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(good_bytes)
-    return ids
+from angelspec_hf.trainer.regenerated_files import append_lines, done_ids
 
 
 def regenerate(
@@ -53,7 +34,8 @@ def regenerate(
     """Generate a response for every record not yet in `out_path`; returns counts `{written, skipped_long, done}`.
 
     Prompts whose chat-templated length exceeds `max_prompt_tokens` are skipped (truncating them would cut the
-    generation prompt). Greedy by default; `do_sample=True` uses `temperature` / `top_p`.
+    generation prompt). Greedy by default; `do_sample=True` uses `temperature` / `top_p`. Each batch of
+    `batch_size` prompts is built on the target's device.
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,34 +59,34 @@ def regenerate(
         bar = tqdm(total=len(todo), desc=f"regenerating {out_path.name}", unit="resp")
     torch.manual_seed(seed)
     written = 0
-    with open(out_path, "a", encoding="utf-8") as out:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in batch])
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
-            with torch.no_grad():
-                out_ids = target.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                    do_sample=do_sample, temperature=temperature if do_sample else None,
-                    top_p=top_p if do_sample else None, top_k=None, pad_token_id=pad_id,
-                )
-            for (rec, _), row in zip(batch, out_ids[:, width:].tolist()):
-                cut = next((i for i, t in enumerate(row) if t in eos), None)
-                response = row if cut is None else row[:cut]
-                line = {
-                    "id": rec["id"], "domain": rec.get("domain"), "prompt": rec["prompt"],
-                    "response": tokenizer.decode(response, skip_special_tokens=True),
-                    "num_tokens": len(response), "finish_reason": "length" if cut is None else "eos_token",
-                    # exact ids, so training sees the target's own tokenisation (EOS included when it stopped)
-                    "response_ids": row if cut is None else row[: cut + 1],
-                }
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-            written += len(batch)
-            if bar is not None:
-                bar.update(len(batch))
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        width = max(len(ids) for _, ids in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in batch], device=target.device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch],
+                                      device=target.device)
+        with torch.no_grad():
+            out_ids = target.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                do_sample=do_sample, temperature=temperature if do_sample else None,
+                top_p=top_p if do_sample else None, top_k=None, pad_token_id=pad_id,
+            )
+        lines = []
+        for (rec, _), row in zip(batch, out_ids[:, width:].tolist()):
+            cut = next((i for i, t in enumerate(row) if t in eos), None)
+            response = row if cut is None else row[:cut]
+            line = {
+                "id": rec["id"], "domain": rec.get("domain"), "prompt": rec["prompt"],
+                "response": tokenizer.decode(response, skip_special_tokens=True),
+                "num_tokens": len(response), "finish_reason": "length" if cut is None else "eos_token",
+                # exact ids, so training sees the target's own tokenisation (EOS included when it stopped)
+                "response_ids": row if cut is None else row[: cut + 1],
+            }
+            lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+        append_lines(out_path, lines)  # whole lines (for .gz, one whole gzip member), fsync'd
+        written += len(batch)
+        if bar is not None:
+            bar.update(len(batch))
     if bar is not None:
         bar.close()
     return {"written": written, "skipped_long": skipped, "done": len(finished) + written}

@@ -3,16 +3,24 @@
     angelspec train --drafter_type dfly --output_dir runs/dfly --max_steps 2000 --per_device_train_batch_size 8
     angelspec train recipe.yaml
     torchrun --nproc_per_node 2 -m angelspec_hf.trainer.run ...        # several processes (DDP via accelerate)
+
+`--device cpu` trains on the CPU (it sets `--use_cpu true`); `--device cuda` on the GPU(s), one per process; the
+default, auto, is what the Trainer picks (a GPU when one is visible). The frozen target and its features (online or
+cached) are computed on the training device, the target in `--dtype` (auto: float32 on cpu, bfloat16 on cuda).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser, set_seed
+from transformers import HfArgumentParser, TrainerCallback, set_seed
+from transformers.hf_argparser import string_to_bool
+
+from angelspec_hf.devices import DeviceError, resolve_device, resolve_dtype
 
 from .arguments import DrafterTrainingArguments
 
@@ -36,6 +44,15 @@ class ModelArguments:
     lora_r: int = field(default=0, metadata={"help": "> 0: train a LoRA adapter of this rank (PEFT) instead."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
+    device: str = field(
+        default="auto", metadata={"help": "Training device: auto (the Trainer's choice: a GPU when one is visible), "
+                                          "cpu (sets use_cpu) or cuda (one GPU per process; choose them with "
+                                          "CUDA_VISIBLE_DEVICES). The target and its features run there too."}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "The frozen target's dtype: auto (float32 on cpu, bfloat16 on cuda), "
+                                          "float32, bfloat16 or float16. The drafter trains in float32 (see bf16)."}
+    )
 
 
 def last_complete_checkpoint(output_dir) -> str | None:
@@ -63,6 +80,24 @@ def parse_config_overrides(text: str | None, config_class) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+class TimeLimit(TrainerCallback):
+    """Ends training at the first step that finishes `seconds` after training began (`max_train_seconds`); the
+    Trainer then stops as at `max_steps`, and `train` saves the drafter, its state and its card."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.seconds, self.clock, self.start = seconds, clock, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.clock() - self.start >= self.seconds:
+            control.should_training_stop = True
+            print(f"max_train_seconds: stopping after step {state.global_step} ({self.clock() - self.start:.0f} s)",
+                  flush=True)
+        return control
 
 
 def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target):
@@ -111,7 +146,9 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     from .trainer import DrafterTrainer
 
     start = time.time()
-    target, tokenizer = angelspec_hf.load_target(margs.target)
+    # on the training device (this process's, under DDP), so cached features are computed there too
+    target, tokenizer = angelspec_hf.load_target(margs.target, device=args.device,
+                                                 dtype=resolve_dtype(margs.dtype, args.device))
     set_seed(args.seed)  # a fresh drafter's initial weights are part of the run's reproducibility
     drafter = build_drafter(margs, args, target)
     dataset = load_regenerated(tokenizer, args.regenerated_dir, args.train_sets, args.max_seq_length,
@@ -123,6 +160,8 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     trainer = DrafterTrainer(drafter, args, target, train_dataset=dataset,
                              data_collator=DrafterCollator(tokenizer.pad_token_id))
     trainer.base_model_id = margs.target or EMBEDDED_TARGET_ID
+    if args.max_train_seconds:
+        trainer.add_callback(TimeLimit(args.max_train_seconds))
     callback = None
     if args.eval_prompts:
         callback = AcceptanceEvalCallback(trainer, tokenizer, args.eval_prompts, args.eval_max_new_tokens)
@@ -152,13 +191,52 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     return trainer
 
 
+def use_cpu_for(device: str | None, use_cpu: bool | None) -> bool | None:
+    """The `use_cpu` the Trainer gets for `--device`: True for cpu, False for a GPU, `use_cpu` as given for auto.
+    Raises `DeviceError` for a device this machine lacks, a contradiction (`--device cuda --use_cpu true`) or a GPU
+    index (the Trainer puts process k on cuda:k)."""
+    if device is None or str(device).strip().lower() == "auto":
+        return use_cpu
+    resolved = resolve_device(device)
+    if resolved.type == "cpu":
+        if use_cpu is False:
+            raise DeviceError(f"--device {device} contradicts --use_cpu false")
+        return True
+    if use_cpu:
+        raise DeviceError(f"--device {device} contradicts --use_cpu true")
+    if resolved.index not in (None, 0):
+        raise DeviceError(f"--device {device}: the Trainer runs process k on cuda:k; choose the GPUs with "
+                          "CUDA_VISIBLE_DEVICES and pass --device cuda")
+    return False
+
+
+def _as_bool(value) -> bool | None:
+    return None if value is None else string_to_bool(value)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = HfArgumentParser((ModelArguments, DrafterTrainingArguments))
     if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
-        parse = parser.parse_yaml_file if argv[0].endswith(("yaml", "yml")) else parser.parse_json_file
-        margs, args = parse(str(Path(argv[0]).resolve()))
+        import json
+
+        import yaml
+
+        text = Path(argv[0]).read_text()
+        values = yaml.safe_load(text) if argv[0].endswith(("yaml", "yml")) else json.loads(text)
+        use_cpu = use_cpu_for(values.get("device"), _as_bool(values.get("use_cpu")))
+        if use_cpu is not None:
+            values["use_cpu"] = use_cpu
+        margs, args = parser.parse_dict(values)
     else:
+        # `--use_cpu` follows `--device`, and the TrainingArguments pick their device when built: decide it first
+        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        pre.add_argument("--device", default=None)
+        pre.add_argument("--use_cpu", "--use-cpu", nargs="?", const="true", default=None)
+        known, _ = pre.parse_known_args(argv)
+        use_cpu = use_cpu_for(known.device, _as_bool(known.use_cpu))
+        if use_cpu is not None:
+            argv = [*argv, "--use_cpu", str(use_cpu).lower()]
         margs, args = parser.parse_args_into_dataclasses(argv)
     train(margs, args)
     return 0
