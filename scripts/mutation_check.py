@@ -37,6 +37,8 @@ REFERENCE_LAW = "tests/test_kernels.py::test_reference_verify_keeps_the_target_d
 TRITON_LAW = "tests/test_kernels.py::test_triton_verify_keeps_the_target_distribution_with_power"
 EQUIVALENCE = "tests/test_drafting_equivalence.py"
 MEMORISE = "tests/test_memorisation.py::test_drafter_memorises_its_training_sequences"
+SEEDED_REPRO = "tests/test_engine.py::test_a_seeded_request_gives_the_same_tokens_alone_in_a_crowd_and_beside_a_twin"
+SEEDED_LAW = "tests/test_engine.py::test_seeded_sampling_is_exact_with_power"
 
 
 @dataclass
@@ -153,6 +155,22 @@ MUTATIONS = [
              "self._shadow_draft(input_ids, context)",
              ["tests/test_draft_policy.py::test_a_shadow_draft_scores_the_first_token_as_verifying_it_would"],
              note="issue 12"),
+    # ---- seeded sampling: Gumbel-max draws, drafts coupled to the same noise ----------------------------------
+    Mutation("seeded requests rejection-sampled (the scheme before: tokens follow the batch)",
+             "tgi_patch/engine/request.py",
+             "return self.params.do_sample and self.params.seed is not None",
+             "return False",
+             [f"{SEEDED_REPRO}[5-no-lookups]", f"{SEEDED_REPRO}[full-lookups]"], note="seeded"),
+    Mutation("seeded target draws keyed by the step's block offset instead of the position",
+             "tgi_patch/engine/verification.py",
+             "seeds[:, None].expand(-1, span)[rows], gen_pos[rows])",
+             "seeds[:, None].expand(-1, span)[rows], (gen_pos - gen_pos[:, :1])[rows])",
+             [f"{SEEDED_REPRO}[auto-no-lookups]", f"{SEEDED_LAW}[drafter-auto-T0.7-topk]"], note="seeded"),
+    Mutation("seeded drafts drawn with other noise than the target's (the coupling broken; still exact)",
+             "tgi_patch/engine/verification.py",
+             "gumbel_scores(probs[coupled], seeds[coupled], gen_pos[coupled] + j)",
+             "gumbel_scores(probs[coupled], seeds[coupled] + 1, gen_pos[coupled] + j)",
+             ["tests/test_engine.py::test_a_seeded_draft_is_coupled_to_the_targets_draw"], note="seeded"),
     # ---- issue 13: training lines up with drafting -------------------------------------------------------------
     Mutation("block training labels off by one (row k learns token a + k - 1)", "trainer/trainer.py",
              "labels = _gather_rows(input_ids, positions[..., 1:])",

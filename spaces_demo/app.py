@@ -12,6 +12,7 @@ A thin client of the public API: `angelspec_hf.load_default_target`, the shipped
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import html
 import json
@@ -136,13 +137,18 @@ def render_tokens(pieces: list[str], chunks: list[list[int]]) -> str:
 
 
 # ---- models --------------------------------------------------------------------------------------------------------
+class _Closing(Exception):
+    """The process is exiting: loading stops."""
+
+
 class DemoModels:
     """The target, one drafter per family (shipped if trained, else untrained), and a router; loaded in a background
     thread so the page can say what it is doing. Every generation holds `lock`: one run at a time keeps timings
     honest."""
 
-    def __init__(self, target=None, tokenizer=None, warmup: bool = True):
+    def __init__(self, target=None, tokenizer=None, warmup: bool = True, device=None, dtype=None):
         self.target, self.tokenizer, self.warmup = target, tokenizer, warmup
+        self.device, self.dtype = device, dtype  # of the target it loads (`load_target`); drafters follow it
         self.drafters, self.trained, self.router, self.kernels = {}, {}, None, None
         self._untrained = {}  # (family, block size) → untrained drafter built for that block size
         self.sources = {}  # family → where its drafter came from, or why it is untrained
@@ -150,32 +156,50 @@ class DemoModels:
         self.ready, self.error, self.message = threading.Event(), None, "Loading the target model (about 20 s)..."
         self.lock = threading.Lock()
         self._thread = None
+        self._closing = threading.Event()
 
     def start(self) -> DemoModels:
         if self._thread is None:
             self._thread = threading.Thread(target=self._load, name="angelspec-demo-load", daemon=True)
             self._thread.start()
+            # at exit (a script that returns, Ctrl+C during start-up) the loader stops at its next stage and is
+            # joined before the interpreter tears down: a thread still inside torch then aborts the process
+            atexit.register(self.close)
         return self
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops loading at the next stage and waits for the loading thread (the stage it is in finishes first)."""
+        self._closing.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _stage(self, message: str) -> None:
+        if self._closing.is_set():
+            raise _Closing()
+        self.message = message
 
     def _load(self) -> None:
         try:
             if self.target is None:
-                self.target, self.tokenizer = angelspec_hf.load_default_target()
+                self._stage("Loading the target model (about 20 s)...")
+                self.target, self.tokenizer = angelspec_hf.load_default_target(device=self.device, dtype=self.dtype)
             for family, name in FAMILIES.items():
-                self.message = f"Loading the {name} drafter..."
+                self._stage(f"Loading the {name} drafter...")
                 self.drafters[family], self.trained[family] = self._load_drafter(family)
             # the linear kernels this CPU runs faster (`--linear-kernels auto`): plain and speculative alike
-            self.message = "Timing the linear kernels..."
+            self._stage("Timing the linear kernels...")
             self.kernels = use_linear_kernels("auto", self.target, *self.drafters.values())
             self.router = DrafterRouter({f: self.drafters[f] for f in ("mtp", "dfly")}, self.tokenizer)
             if self.warmup:  # the first call of each path pays one-off costs: keep them out of the measured runs
-                self.message = "Warming up..."
-                ids = chat_input_ids(self.tokenizer, "Hi")
+                self._stage("Warming up...")
+                ids = chat_input_ids(self.tokenizer, "Hi", device=self.target.device)
                 with self.lock, torch.no_grad():
                     self.target.generate(ids, max_new_tokens=2, do_sample=False)
                     for drafter in self.drafters.values():
                         self.target.generate(ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)
             self.message = f"Ready. Linear kernels: {self.kernels}."
+        except _Closing:
+            self.error, self.message = RuntimeError("the demo is shutting down"), "Shutting down."
         except Exception as error:  # shown on the page and raised to every request
             self.error, self.message = error, f"Loading failed: {type(error).__name__}: {error}"
         finally:
@@ -322,7 +346,7 @@ def compare(models: DemoModels, prompt, drafter="auto", block_size=8, temperatur
     if not models.ready.is_set():
         yield {"phase": "loading", "message": models.message}
     models.wait()
-    input_ids = chat_input_ids(models.tokenizer, prompt)
+    input_ids = chat_input_ids(models.tokenizer, prompt, device=models.target.device)
     if input_ids.shape[1] > MAX_PROMPT_TOKENS:
         raise gr.Error(f"The prompt is too long: {input_ids.shape[1]} tokens with the chat template; "
                        f"the limit is {MAX_PROMPT_TOKENS}.")
@@ -522,9 +546,11 @@ def build_demo(models: DemoModels | None = None, batch_view: bool = True) -> gr.
     return demo
 
 
-def main(host: str = "127.0.0.1", port: int | None = None, threads: int | None = None, share: bool = False):
+def main(host: str = "127.0.0.1", port: int | None = None, threads: int | None = None, share: bool = False,
+         device=None, dtype=None):
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
-    build_demo().queue(default_concurrency_limit=1).launch(server_name=host, server_port=port, share=share)
+    demo = build_demo(DemoModels(device=device, dtype=dtype))
+    demo.queue(default_concurrency_limit=1).launch(server_name=host, server_port=port, share=share)
 
 
 if __name__ == "__main__":

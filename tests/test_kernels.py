@@ -71,7 +71,10 @@ def test_verify_greedy_only_without_draft_probs():
 
 def test_engine_gives_the_same_tokens_through_the_kernels(monkeypatch):
     """The engine dispatching to the kernels (forced here; automatic on CUDA) generates exactly what it generates
-    with the torch references: greedy and seeded sampling, D-Cut budget and full blocks."""
+    with the torch references: greedy, seeded sampling (Gumbel-max scores through the greedy rule) and unseeded
+    sampling (rejection sampling), D-Cut budget and full blocks."""
+    import random
+
     from angelspec_hf.tgi_patch.engine import generate_batch
     from helpers import tiny_drafter, tiny_target
 
@@ -81,8 +84,11 @@ def test_engine_gives_the_same_tokens_through_the_kernels(monkeypatch):
     runs = {}
     for force in ("", "1"):
         monkeypatch.setenv("ANGELSPEC_FORCE_TRITON", force)
-        runs[force] = [generate_batch(target, drafter, prompts, max_new_tokens=10, verify=verify, **kw)
-                       for verify in ("full", 4) for kw in ({}, {"do_sample": True, "seed": 3, "top_k": 30})]
+        runs[force] = []
+        for verify in ("full", 4):
+            for kw in ({}, {"do_sample": True, "seed": 3, "top_k": 30}, {"do_sample": True, "top_k": 30}):
+                random.seed(0)  # the streams the engine draws for unseeded requests
+                runs[force].append(generate_batch(target, drafter, prompts, max_new_tokens=10, verify=verify, **kw))
     assert runs["1"] == runs[""]
 
 

@@ -3,6 +3,7 @@ penalties equals plain decoding with the same penalties (greedy token for token;
 power check), position by position inside a verified block."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -134,11 +135,14 @@ def exact_penalised(target, steps, temperature):
     return probs
 
 
-def sample_penalised(target, drafter, draws, steps, temperature):
+def sample_penalised(target, drafter, draws, steps, temperature, seeded):
+    """`draws` penalised sampled requests of PROMPT: seeded (seed i: Gumbel-max draws) or not (rejection sampling,
+    the engine's streams drawn from `random`, seeded first)."""
     engine = SpeculativeEngine(target, drafter, verify="full", max_batch_size=64, cost_model=FIXED_COST)
-    ids = [engine.add_request(PROMPT[0].tolist(), SamplingParams(max_new_tokens=steps, do_sample=True, seed=i,
-                                                                 temperature=temperature, stop_token_ids=(), **SAMPLED))
-           for i in range(draws)]
+    random.seed(draws)
+    ids = [engine.add_request(PROMPT[0].tolist(), SamplingParams(
+        max_new_tokens=steps, do_sample=True, seed=i if seeded else None, temperature=temperature, stop_token_ids=(),
+        **SAMPLED)) for i in range(draws)]
     outputs = {i: [] for i in ids}
     while engine.has_work():
         for event in engine.step():
@@ -153,7 +157,8 @@ def fit(samples, exact):
         return 0.0
 
 
-def test_penalised_sampling_is_exact_with_power(monkeypatch):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_penalised_sampling_is_exact_with_power(monkeypatch, seeded):
     target = spread_target()
     drafter = peaked_drafter("dfly", target)
     steps, temperature, draws = 3, 0.8, 4000
@@ -164,11 +169,11 @@ def test_penalised_sampling_is_exact_with_power(monkeypatch):
         return torch.cat([real(logits[:, j : j + 1], draft, *rest) for j in range(logits.shape[1])], 1)
 
     with single_thread():
-        samples, stats = sample_penalised(target, drafter, draws, steps, temperature)
+        samples, stats = sample_penalised(target, drafter, draws, steps, temperature, seeded)
         assert stats["accepted"] > 0.1 * stats["verified"]  # blocks were accepted, so positions j >= 1 were used
         right = fit(samples, exact)
         monkeypatch.setattr(engine_module, "apply_penalties", block_prefix_ignored)
-        wrong = fit(sample_penalised(target, drafter, draws, steps, temperature)[0], exact)
-    report(f"penalised sampling: {draws} draws, accepted {stats['accepted']}/{stats['verified']}", right,
+        wrong = fit(sample_penalised(target, drafter, draws, steps, temperature, seeded)[0], exact)
+    report(f"penalised sampling ({'seeded' if seeded else 'unseeded'}): {draws} draws, accepted {stats['accepted']}/{stats['verified']}", right,
            **{"draft prefix ignored": wrong})
     assert_power(right, {"draft prefix ignored": wrong})

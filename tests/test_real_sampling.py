@@ -1,14 +1,17 @@
 """Exact sampling on the real embedded target (SmolLM2-135M-Instruct) at T = 0.7, through the batched engine.
 
 The first generated token comes from the prefill (plain sampling); the second is the first speculative one: drafted
-by the shipped MTP drafter, verified by rejection sampling, and either accepted or replaced by a correction token. So
-many seeded requests of one prompt each generate (t1, t2), and t2 is tested against the exact target distribution
-p(t2 | prompt, t1) at T = 0.7 (one target forward per frequent t1), with every group's chi-square summed into one
-statistic. The statistic's power is checked on the same contexts: samples of the drafter's q, and of p at T = 1, must
-be rejected. Draws: DRAWS per verification mode ("full", and a D-Cut budget that verifies about half of the drafts).
+by the shipped MTP drafter, verified (by rejection sampling for unseeded requests, by exact match against the
+target's Gumbel-max draw for seeded ones) and either accepted or replaced by the target's token. So many requests of
+one prompt each generate (t1, t2), and t2 is tested against the exact target distribution p(t2 | prompt, t1) at
+T = 0.7 (one target forward per frequent t1), with every group's chi-square summed into one statistic. The
+statistic's power is checked on the same contexts: samples of the drafter's q, and of p at T = 1, must be rejected.
+Draws: DRAWS per case (unseeded with "full" and with a D-Cut budget that verifies about half of the drafts, seeded
+with the budget). A seeded request also gives its plain sampling tokens on this target, alone and in a batch.
 """
 
 import collections
+import random
 
 import pytest
 import torch
@@ -61,9 +64,10 @@ def pooled_chisquare(groups, min_expected=5.0):
     return float(chi2.sf(stat, dof))
 
 
-def sample_two_tokens(target, drafter, prompt, verify, seed0):
-    """`DRAWS` seeded requests through the engine; returns the (t1, t2) pairs, the drafter's q of the first draft
-    position per t1, and per speculative row of each step (verified, accepted)."""
+def sample_two_tokens(target, drafter, prompt, verify, seed0, seeded):
+    """`DRAWS` requests through the engine, with seeds seed0 + i (`seeded`) or none (their streams drawn from `random`
+    seeded with seed0); returns the (t1, t2) pairs, the drafter's q of the first draft position per t1, and per
+    speculative row of each step (verified, accepted)."""
     engine = SpeculativeEngine(target, drafter, verify=verify, max_batch_size=BATCH)
     draft_q, calls = {}, []
     original = engine.batch_drafter.draft
@@ -75,7 +79,9 @@ def sample_two_tokens(target, drafter, prompt, verify, seed0):
 
     engine.batch_drafter.draft = draft
     params = dict(max_new_tokens=3, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, stop_token_ids=())
-    ids = [engine.add_request(prompt, SamplingParams(seed=seed0 + i, **params)) for i in range(DRAWS)]
+    random.seed(seed0)
+    ids = [engine.add_request(prompt, SamplingParams(seed=seed0 + i if seeded else None, **params))
+           for i in range(DRAWS)]
     outputs, rows = {i: [] for i in ids}, []
     while engine.has_work():
         calls.clear()
@@ -106,10 +112,12 @@ def next_token_probs(target, ids, temperature):
     return torch.softmax(logits / temperature, -1)
 
 
-@pytest.mark.parametrize("verify", ["full", DRAWS // 4])
-def test_first_speculative_token_has_the_target_distribution(real, verify):
+@pytest.mark.parametrize("verify,seeded", [("full", False), (DRAWS // 4, False), (DRAWS // 4, True)],
+                         ids=["full-unseeded", "budget-unseeded", "budget-seeded"])
+def test_first_speculative_token_has_the_target_distribution(real, verify, seeded):
     target, drafter, prompt = real
-    pairs, draft_q, rows = sample_two_tokens(target, drafter, prompt, verify, seed0=1000 if verify == "full" else 5000)
+    pairs, draft_q, rows = sample_two_tokens(target, drafter, prompt, verify, 1000 if verify == "full" else 5000,
+                                             seeded)
     verified = [a for v, a in rows if v]
     assert len(rows) == DRAWS  # one speculative step per request (its second token)
     assert 0.05 < sum(verified) / len(verified) < 0.95  # drafts both accepted and rejected
@@ -137,3 +145,33 @@ def test_first_speculative_token_has_the_target_distribution(real, verify):
 
     assert resample(lambda t1: draft_q[t1]) < ALPHA
     assert resample(lambda t1: next_token_probs(target, prompt + [t1], 1.0)) < ALPHA
+
+
+@torch.no_grad()
+def test_a_seeded_request_gives_its_plain_sampling_tokens_on_the_real_target(real):
+    """Seeded requests at T = 0.7 / top-p 0.95: their tokens from plain decoding (no drafter, no lookups) again under
+    a D-Cut budget with lookups, alone and in a batch of 8 other requests of mixed kinds beside a twin."""
+    target, drafter, prompt = real
+    rng = random.Random(3)
+    subjects = [SamplingParams(max_new_tokens=24, do_sample=True, temperature=0.7, top_p=0.95, seed=seed,
+                               stop_token_ids=()) for seed in (11, 2**63 + 5)]  # a u64 seed too
+    others = [(prompt + [rng.randrange(100, 40_000) for _ in range(rng.randrange(1, 6))],
+               SamplingParams(max_new_tokens=rng.randrange(8, 30), do_sample=i % 2 == 1, temperature=0.9,
+                              seed=rng.randrange(1 << 30) if i % 4 == 1 else None, repetition_penalty=1.1 + i % 3 / 10,
+                              stop_token_ids=())) for i in range(8)]
+
+    def run(drafter, verify, requests, lookups):
+        engine = SpeculativeEngine(target, drafter, verify=verify, max_batch_size=16, lookup_tokens=lookups)
+        ids = [engine.add_request(p, params) for p, params in requests]
+        outputs = {i: [] for i in ids}
+        for events in engine.steps():
+            for event in events:
+                outputs[event.request_id].extend(event.token_ids)
+        return [outputs[i] for i in ids], engine.stats
+
+    for params in subjects:
+        (plain,), _ = run(None, "full", [(prompt, params)], 0)
+        (alone,), _ = run(drafter, 6, [(prompt, params)], 3)
+        crowd, stats = run(drafter, 6, others[:4] + [(prompt, params)] + others[4:] + [(prompt, params)], 3)
+        assert len(plain) == 24 and alone == plain and crowd[4] == crowd[-1] == plain, (params.seed, plain, alone)
+        assert 0 < stats["accepted"] < stats["verified"] < stats["drafted"], stats

@@ -6,6 +6,8 @@ statistic on the same number of draws that must be rejected (so no test can pass
 transformers' first generated token comes from the prefill; drafting starts at the second. With `max_new_tokens=3`
 every call drafts exactly one position (the room left is what caps it), with 4 two positions."""
 
+import math
+
 import pytest
 import torch
 import transformers.generation.utils as generation_utils
@@ -287,3 +289,64 @@ def test_ngram_continuation():
     assert ngram_continuation(ids, 1, 2) == ([4, 8], 1)
     assert ngram_continuation(torch.tensor([5, 6, 7]), 3, 4) == ([], 0)
     assert ngram_continuation(torch.tensor([5, 5]), 3, 4) == ([5], 1)
+
+
+# ---- the engine's seeded draws: Gumbel-max with noise from the counter-based generator ---------------------------
+def test_gumbel_noise_is_gumbel_distributed_and_keyed_by_seed_position_and_token():
+    """`sampling.gumbel`: finite float32 Gumbel(0, 1) values (Kolmogorov-Smirnov; the same statistic rejects a 5%
+    wider scale), each a function of (seed, position, token) alone: computed for one row, for a prefix of the
+    vocabulary or beside other rows, the same bits; another position or seed gives unrelated values."""
+    from scipy.stats import kstest
+
+    from angelspec_hf.tgi_patch.engine.sampling import gumbel
+
+    seeds = torch.arange(400) * 7919 - 2**62  # negative int64 seeds too (u64 seeds are mapped there)
+    positions = torch.arange(400) % 37
+    noise = gumbel(seeds, positions, 1000)  # [400, 1000]
+    assert noise.dtype == torch.float32 and bool(torch.isfinite(noise).all())
+    values = noise.flatten().double().numpy()
+    assert kstest(values, "gumbel_r").pvalue > ALPHA
+    assert kstest(values * 1.05, "gumbel_r").pvalue < ALPHA
+    assert torch.equal(gumbel(seeds[3], positions[3], 1000), noise[3])
+    assert torch.equal(gumbel(seeds, positions, 600), noise[:, :600])
+    assert torch.equal(gumbel(seeds[:50, None], torch.stack([positions[:50], positions[:50] + 1], 1), 1000)[:, 0],
+                       noise[:50])
+    for other in (gumbel(seeds, positions + 1, 1000), gumbel(seeds + 1, positions, 1000)):
+        assert abs(float(torch.corrcoef(torch.stack([noise.flatten(), other.flatten()]))[0, 1])) < 0.01
+
+
+def test_gumbel_noise_comes_from_the_generators_uniforms_moved_into_the_open_interval():
+    """Each noise value is `-log(-log u)` with u = (k + 1) / (2^24 + 1) for the generator's 24-bit uniform k / 2^24
+    of (seed, position, token) (`uniforms` keyed by the (seed, position) key, stream GUMBEL); at both ends of the
+    24-bit range it is finite (u = 0 or 1 would give -inf / inf)."""
+    from angelspec_hf.tgi_patch.engine import sampling
+
+    seeds, positions, vocab = torch.tensor([5, -3, 2**62]), torch.tensor([0, 9, 123456]), 300
+    rows = sampling._key(seeds, positions, sampling.GUMBEL)
+    k = (sampling.uniforms(rows[:, None], torch.arange(vocab), sampling.GUMBEL).double() * 2**24).round()
+    u = (k + 1) / (2**24 + 1)
+    torch.testing.assert_close(sampling.gumbel(seeds, positions, vocab).double(), -torch.log(-torch.log(u)),
+                               rtol=1e-5, atol=1e-5)
+    ends = sampling._exponential_(torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1]), torch.empty(5))
+    assert bool(torch.isfinite(ends).all()) and bool((ends > 0).all()) and bool((ends[1:] < ends[:-1]).all())
+    torch.testing.assert_close(ends[[0, -1]].double(), torch.tensor([24 * math.log(2), 2.0**-24], dtype=torch.float64),
+                               rtol=1e-4, atol=0)
+
+
+def test_gumbel_max_draws_are_exact_and_independent_across_positions():
+    """`argmax(log p + G)` over many seeds is distributed as p (zeros never drawn); the draws of one seed at two
+    positions are independent (their joint law is p x p); the same statistics reject a slightly shifted p (total
+    variation 0.03) and the draw of position t repeated at t + 1."""
+    from angelspec_hf.tgi_patch.engine.sampling import gumbel_scores
+
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0])
+    n = 20_000
+    seeds = torch.arange(n) * 3 + 11
+    first = gumbel_scores(p.expand(n, -1), seeds, torch.full((n,), 5)).argmax(-1).tolist()
+    second = gumbel_scores(p.expand(n, -1), seeds, torch.full((n,), 6)).argmax(-1).tolist()
+    assert goodness_of_fit(first, vector_distribution(p)) > ALPHA
+    shifted = torch.tensor([0.37, 0.25, 0.15, 0.1, 0.06, 0.07, 0.0])
+    assert goodness_of_fit(first, vector_distribution(shifted)) < ALPHA
+    product = {(a, b): float(p[a] * p[b]) for a in range(len(p)) for b in range(len(p))}
+    assert goodness_of_fit(list(zip(first, second)), product) > ALPHA
+    assert goodness_of_fit(list(zip(first, first)), product, min_expected=5) < ALPHA

@@ -5,6 +5,7 @@ itself runs on the embedded SmolLM2-135M-Instruct target. The real clients are i
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import socket
@@ -317,6 +318,104 @@ def test_engine_failure_is_424_and_the_next_request_succeeds(live, monkeypatch):
     assert wait_until_idle(server, engine)
 
 
+HOSTILE = [  # (parameters of the bad request, the status it gets): floats that vanish or overflow as float32
+    ({"do_sample": True, "temperature": 1e-46}, 422), ({"do_sample": True, "temperature": 5e-324}, 422),
+    ({"repetition_penalty": 5e-324}, 422), ({"repetition_penalty": 1e39}, 422), ({"top_p": 1e-46}, 422),
+    ({"do_sample": True, "temperature": 1e39, "seed": 5}, 200), ({"do_sample": True, "temperature": 3.5e38}, 200),
+    ({"repetition_penalty": 1e-45}, 200), ({"do_sample": True, "temperature": 9e-46}, 422), ({"seed": 2**64 - 1, "do_sample": True}, 200), ({"seed": 2**70, "do_sample": True}, 200),
+    ({"seed": -1}, 422),
+]
+
+
+def _victims(url):
+    """Four greedy chats and a stream at once (what a bad request must not hurt): their texts, or the error."""
+    chats = [{"messages": [{"role": "user", "content": p}], "max_tokens": 10, "temperature": 0} for p in PROMPTS]
+    chats.append({"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 10, "temperature": 0})
+
+    def chat(body):
+        r = post(url, "/v1/chat/completions", body)
+        return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+
+    def stream():
+        r = post(url, "/generate_stream", {"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 40}}, stream=True)
+        events = sse_events(r)
+        return r.status_code, [e.get("token", {}).get("id") if "error" not in e else e for e in events]
+
+    return [lambda b=b: chat(b) for b in chats] + [stream]
+
+
+def test_a_hostile_value_fails_no_other_request(live):
+    """Each edge value beside four chats and a stream: the victims all get 200 and the tokens of a clean run; the bad
+    request gets TGI's 422 or a correct answer; nobody gets a 424."""
+    url, _, _, _ = live
+    with ThreadPoolExecutor(5) as pool:
+        clean = list(pool.map(lambda f: f(), _victims(url)))
+    assert all(status == 200 for status, _ in clean), clean
+    for parameters, status in HOSTILE:
+        bad = lambda: post(url, "/generate", {"inputs": PROMPTS[0], "parameters": {  # noqa: E731
+            "max_new_tokens": 12, "details": True, **parameters}})
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(f) for f in _victims(url)]
+            answer = pool.submit(bad).result()
+            victims = [f.result() for f in futures]
+        assert victims == clean, parameters
+        assert answer.status_code == status, (parameters, answer.text)
+        if status == 422:
+            assert answer.json()["error_type"] == "validation"
+        else:
+            tokens = answer.json()["details"]["tokens"]
+            assert tokens and all(math.isfinite(t["logprob"]) for t in tokens)
+            if "seed" in parameters:
+                assert answer.json()["details"]["seed"] == parameters["seed"]
+
+
+def test_a_step_that_fails_for_one_request_fails_it_alone(live, monkeypatch):
+    """A fault inside the engine's step that only one request triggers (injected into its sampling): that request
+    gets 424, the four chats and the stream beside it finish with the tokens of a clean run."""
+    url, server, engine, _ = live
+    with ThreadPoolExecutor(5) as pool:
+        clean = list(pool.map(lambda f: f(), _victims(url)))
+    real = engine._process
+
+    def process(logits, requests, span):
+        if any(r.params.do_sample and r.params.top_k == 17 for r in requests):
+            raise RuntimeError("injected fault of one request")
+        return real(logits, requests, span)
+
+    monkeypatch.setattr(engine, "_process", process)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(f) for f in _victims(url)]
+        answer = pool.submit(post, url, "/generate", {"inputs": PROMPTS[1], "parameters": {
+            "max_new_tokens": 30, "do_sample": True, "top_k": 17, "seed": 1}}).result()
+        victims = [f.result() for f in futures]
+    assert answer.status_code == 424 and "injected fault of one request" in answer.json()["error"]
+    assert victims == clean
+    assert wait_until_idle(server, engine)
+    assert_serves(url)
+
+
+def test_openai_defaults_and_bounds(live):
+    """`/v1/completions` without `max_tokens` stops at OpenAI's 16; `top_logprobs` and `logit_bias` are held to
+    their schema whatever `logprobs` says; a chat temperature that is 0 as a float32 is greedy."""
+    url, _, _, _ = live
+    r = post(url, "/v1/completions", {"prompt": "Once upon a time", "temperature": 0, "stop": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    long = post(url, "/v1/completions", {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 40})
+    assert long.json()["usage"]["completion_tokens"] > 16 or long.json()["choices"][0]["finish_reason"] == "stop"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for extra in ({"top_logprobs": -1}, {"top_logprobs": 6, "logprobs": False}, {"logit_bias": False},
+                  {"logit_bias": {"5": 1}}, {"logit_bias": []}, {"temperature": -1.0},
+                  {"temperature": 0, "top_p": 0}):
+        bad = post(url, "/v1/chat/completions", chat | extra)
+        assert bad.status_code == 422 and bad.json()["error_type"] == "validation", extra
+    for extra in ({"logit_bias": {}}, {"logit_bias": None}, {"top_logprobs": 0}):
+        assert post(url, "/v1/chat/completions", chat | extra).status_code == 200, extra
+    greedy = post(url, "/v1/chat/completions", chat | {"temperature": 0, "max_tokens": 8}).json()
+    tiny = post(url, "/v1/chat/completions", chat | {"temperature": 1e-46, "max_tokens": 8}).json()
+    assert tiny["choices"][0]["message"] == greedy["choices"][0]["message"]
+
+
 def test_metrics(live):
     url, _, _, _ = live
     text = requests.get(url + "/metrics").text
@@ -394,7 +493,8 @@ def test_cli_serve_and_sigint_mid_stream():
                     break
             except requests.ConnectionError:
                 time.sleep(0.5)
-        assert requests.get(url + "/info").json()["angelspec"]["verify"] == "depth:2"
+        info = requests.get(url + "/info").json()["angelspec"]
+        assert info["verify"] == "depth:2" and (info["device"], info["dtype"]) == ("cpu", "float32")  # --device auto
         r = post(url, "/generate_stream", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 12}}, stream=True)
         lines = r.iter_lines(decode_unicode=True)
         first = next(line for line in lines if line.startswith("data:"))

@@ -163,3 +163,47 @@ def test_cli_has_the_demo_command():
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--help"])
     assert exit_info.value.code == 0
+
+
+def test_closing_stops_loading_at_the_next_stage_and_joins_the_loader(monkeypatch):
+    """At exit (`atexit` runs `close`), the loading thread finishes the stage it is in, loads nothing more and is
+    joined, so no thread is left inside torch while the interpreter tears down."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_target(**kwargs):
+        entered.set()
+        release.wait(30)
+        return DEMO_TARGET()
+
+    monkeypatch.setattr(angelspec_hf, "load_default_target", slow_target)
+    models = app.DemoModels(warmup=False)
+    models.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=models.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # it waits for the stage in progress...
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive() and not models._thread.is_alive()  # ...then the loader is gone
+    assert models.ready.is_set() and models.drafters == {} and "shutting down" in str(models.error)
+
+
+def DEMO_TARGET():
+    from helpers import tiny_chat_target
+
+    return tiny_chat_target()
+
+
+def test_a_script_that_builds_the_demo_and_returns_exits_cleanly():
+    """`build_demo()` starts loading in a thread; the script returns while it loads: exit code 0, no abort."""
+    import subprocess
+    import sys
+
+    code = "from angelspec_hf.spaces_demo.app import build_demo\nbuild_demo()\nprint('built', flush=True)\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"GRADIO_ANALYTICS_ENABLED": "False"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "built" in run.stdout and "terminate called" not in run.stderr

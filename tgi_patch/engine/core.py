@@ -6,8 +6,9 @@ or nothing); the drafter proposes a block per running request with a confidence 
 draft tokens to verify (a prefix per request, the globally most likely to be accepted, under a budget); the target
 verifies all of them, for all requests, in **one** packed forward; every request advances by its own accepted count.
 
-Lossless: a greedy request's tokens equal its own plain greedy decoding whatever else is in the batch, and a sampled
-request is exact rejection sampling, its random numbers keyed by its seed and token positions only.
+Lossless: a greedy request's tokens equal its own plain greedy decoding whatever else is in the batch; a seeded sampled
+request's equal its own plain sampling with that seed (Gumbel-max draws from noise keyed by its seed, position and
+token, its drafts coupled to the same noise), and an unseeded one is exact rejection sampling (`sampling.py`).
 
     engine = SpeculativeEngine(target, drafter, verify="auto")
     rid = engine.add_request(input_ids, SamplingParams(max_new_tokens=64))
@@ -21,6 +22,7 @@ tensors: KV pool, the packed forward, drafting inputs, profiling), `dcut.py` (wh
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -33,10 +35,11 @@ from angelspec_hf.prompts import chat_ids
 from . import dcut, verification
 from .dcut import CostModel, DCutPolicy, load_or_profile, parse_verify
 from .model_runner import ModelRunner, PackedForward
-from .request import Request, SamplingParams, StepTrace, TokenEvent
+from .request import Request, SamplingParams, StepTrace, TokenEvent, int64_seed
 from .sampling import PenaltyState
 from .scheduler import ScheduledBatch, Scheduler
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Proposal:
@@ -79,13 +82,16 @@ class SpeculativeEngine:
     (decisions then do not depend on this machine's timing). `kv_cache_tokens`: the tokens the target's and the
     drafter's KV pools hold before they grow (default `max_batch_size` x `KV_TOKENS_PER_SEQUENCE`); reserved, not
     written, so on CPU memory is used only as tokens are held (on a GPU it is allocated up front, as TGI's
-    warm-up allocates its KV blocks), and a pool that must grow copies itself once per doubling."""
+    warm-up allocates its KV blocks), and a pool that must grow copies itself once per doubling. `isolate_faults`: a
+    step that raises is retried without the requests it fails for, which finish with `finish_reason="error"`
+    (`step`); False: the exception propagates."""
 
     KV_TOKENS_PER_SEQUENCE = 1024
 
     def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
                  cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
-                 lookup_tokens: int | None = None, measure_rates: bool = True, kv_cache_tokens: int | None = None):
+                 lookup_tokens: int | None = None, measure_rates: bool = True, kv_cache_tokens: int | None = None,
+                 isolate_faults: bool = True):
         if drafter is not None:
             drafter.check_target(target)
         mode, mode_value = parse_verify(verify)
@@ -93,6 +99,7 @@ class SpeculativeEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.drafter = target, drafter
         self.max_batch_size = max_batch_size
+        self.isolate_faults = isolate_faults
         self.max_prefill_tokens = max_prefill_tokens
         if kv_cache_tokens is None:
             kv_cache_tokens = max_batch_size * self.KV_TOKENS_PER_SEQUENCE
@@ -155,7 +162,7 @@ class SpeculativeEngine:
         params = params or SamplingParams()
         params.validate()
         prompt = self._checked_prompt(input_ids, params)
-        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seed = int64_seed(params.seed) if params.seed is not None else random.getrandbits(62)
         stop = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_ids)
         request = Request(self.scheduler.new_id(), prompt, params, seed, stop)
         if params.penalised:
@@ -184,27 +191,68 @@ class SpeculativeEngine:
     # ---- one step ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
+        """One step for every running request (new ones joining first). When it raises before anything is kept, the
+        models' state is restored and the step is retried on halves of the batch (`_isolate`): the requests whose
+        step fails on their own finish with `finish_reason="error"` and the reason in `TokenEvent.error`; every
+        other request advances by one step as if they had never been there (`isolate_faults=False`: raise)."""
         start = clock(self.device)
         events = self.scheduler.drop_cancelled()
         self.scheduler.admit()
-        batch = self.scheduler.schedule(self.device)
+        try:
+            return events + self._step(start)
+        except Exception as error:
+            if not self.isolate_faults:
+                raise
+            logger.warning("a step failed (%s: %s); retrying it on parts of the batch", type(error).__name__, error)
+            return events + self._isolate(sorted(self.scheduler.running), error)
+
+    def _step(self, start: float, hold=frozenset()) -> list[TokenEvent]:
+        """A step of the running requests except those in the slots `hold`. Until verification has decided, it only
+        writes model state that `runner.snapshot()` restores, so a step that raises by then leaves no trace."""
+        batch = self.scheduler.schedule(self.device, hold)
         if batch is None:
             self.last_step = None
-            return events
+            return []
         trace = StepTrace()
-        # 1. draft; 2. choose what to verify
-        proposal = self._propose(batch)
-        accept = self._acceptance(proposal.conf, proposal.lookup)
-        depth = self._select(accept, proposal.num_drafted, batch.num_decode, trace, batch.sampled, proposal)
-        # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
-        forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
-        # 4. verify every request in one call
-        verified = verification.verify_forward(forward, proposal.tokens, proposal.probs, depth, batch.requests,
-                                              self._process)
+        saved = self.runner.snapshot()
+        try:
+            # 1. draft; 2. choose what to verify
+            proposal = self._propose(batch)
+            accept = self._acceptance(proposal.conf, proposal.lookup)
+            depth = self._select(accept, proposal.num_drafted, batch.num_decode, trace, batch.sampled, proposal)
+            # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
+            forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
+            # 4. verify every request in one call
+            verified = verification.verify_forward(forward, proposal.tokens, proposal.probs, depth, batch.requests,
+                                                  self._process)
+        except BaseException:
+            self.runner.restore(saved)
+            raise
         # 5. advance every request by its own count; 6. bookkeeping
         emitted = self._advance(batch, proposal, depth, forward, verified)
         self._record(trace, batch, proposal, depth, verified, emitted, start)
-        return events + emitted
+        return emitted
+
+    def _isolate(self, slots: list[int], error: Exception) -> list[TokenEvent]:
+        """The failed step of the requests in `slots`, retried on halves (bisection): a part that steps cleanly
+        advances, a part that fails is halved again, and a request whose step fails alone finishes with an error
+        event. A fault one request causes costs about 2 log2(B) extra steps; a fault every request causes fails
+        them all, each after its own try."""
+        if not slots:
+            return []
+        if len(slots) == 1:
+            request = self.scheduler.running[slots[0]]
+            logger.error("request %d failed on its own: %s: %s", request.id, type(error).__name__, error)
+            return [self.scheduler.fail(request, f"{type(error).__name__}: {error}")]
+        events = []
+        mid = len(slots) // 2
+        for part in (slots[:mid], slots[mid:]):
+            hold = frozenset(self.scheduler.running) - set(part)
+            try:
+                events += self._step(clock(self.device), hold)
+            except Exception as part_error:  # noqa: BLE001 - narrowed down, then reported per request
+                events += self._isolate([s for s in part if s in self.scheduler.running], part_error)
+        return events
 
     def _propose(self, batch: ScheduledBatch) -> Proposal:
         """Draft tokens for every decoding request, by the step's kind (`DCutPolicy.step_kind`): the drafter's block,
@@ -278,7 +326,7 @@ class SpeculativeEngine:
 
     def _lookup_only(self, batch: ScheduledBatch):
         """`_draft`'s outputs for a lookup step: each decoding row's n-gram lookup, where it has one, and nothing
-        else (a deterministic proposal: its q is one-hot, which sampled rows are verified against)."""
+        else (a deterministic proposal: its q is one-hot, which rejection-sampled rows are verified against)."""
         dec = slice(batch.num_prefill, None)
         n_dec, sampled = batch.num_decode, batch.sampled[dec]
         tokens = torch.zeros(n_dec, 0, dtype=torch.long, device=self.device)
@@ -405,6 +453,7 @@ def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: 
 
     prompts: token-id lists (or strings, with `tokenizer`: the chat template is applied). Returns the generated token
     ids per prompt, in order (and the engine when `return_engine`). Request i gets seed `seed + i` when `seed` is set.
+    Raises `GenerationFailed` (after the other prompts finished) when some prompts failed on their own.
     """
     engine = engine or SpeculativeEngine(target, drafter, verify=verify, max_batch_size=max_batch_size)
     ids = []
@@ -416,9 +465,23 @@ def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: 
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i)
         ids.append(engine.add_request(prompt, params))
-    outputs = {i: [] for i in ids}
+    outputs, errors = {i: [] for i in ids}, {}
     for events in engine.steps():
         for event in events:
             outputs[event.request_id].extend(event.token_ids)
+            if event.error is not None:
+                errors[ids.index(event.request_id)] = event.error
     result = [outputs[i] for i in ids]
+    if errors:
+        failure = GenerationFailed("; ".join(f"prompt {i}: {why}" for i, why in sorted(errors.items())))
+        failure.outputs, failure.failed = result, sorted(errors)
+        raise failure
     return (result, engine) if return_engine else result
+
+
+class GenerationFailed(RuntimeError):
+    """Some prompts of `generate_batch` failed on their own (the others ran to their end): `failed` lists their
+    indices, `outputs` every prompt's tokens (those of a failed prompt up to its failure)."""
+
+    outputs: list[list[int]]
+    failed: list[int]

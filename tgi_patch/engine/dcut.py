@@ -55,7 +55,7 @@ class AcceptanceCalibrator:
 
     def _cells(self, confidence: torch.Tensor) -> torch.Tensor:
         """Flat cell of every entry of `confidence [..., K]`: its bin at its draft position (the last dimension)."""
-        bins = (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+        bins = (confidence.float().nan_to_num(0.0).clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
         position = torch.arange(confidence.shape[-1], device=confidence.device).clamp(max=self.num_positions - 1)
         return position * self.num_bins + bins
 
@@ -67,7 +67,7 @@ class AcceptanceCalibrator:
     def at(self, confidence: torch.Tensor, position: int) -> torch.Tensor:
         """Calibrated acceptance of confidences `[B]` all at draft position `position`."""
         cell = min(position, self.num_positions - 1) * self.num_bins
-        bins = (confidence.float().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
+        bins = (confidence.float().nan_to_num(0.0).clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
         return (self.accepted / self.trials).to(confidence.device, torch.float32)[cell + bins]
 
     def update(self, confidence: torch.Tensor, verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -301,20 +301,25 @@ def load_or_profile(runner, cache_dir=None, **profile_kwargs) -> CostModel:
 
 
 def parse_verify(verify) -> tuple[str, int | None]:
-    """`"auto"` → D-Cut with the cost model; an int → fixed budget of draft tokens per step; `"depth:K"` → every
-    request verifies up to K draft tokens; `"full"` → the whole block (plain speculative decoding)."""
+    """`"auto"` → D-Cut with the cost model; an int, `"N"` or `"budget:N"` → fixed budget of N draft tokens per step;
+    `"depth:K"` → every request verifies up to K draft tokens; `"full"` → the whole block (plain speculative
+    decoding)."""
     if verify == "auto" or verify == "full":
         return verify, None
     if isinstance(verify, int) and not isinstance(verify, bool) and verify >= 0:
         return "budget", verify
-    if isinstance(verify, str) and verify.startswith("depth:") and verify[6:].isdigit():
-        return "depth", int(verify[6:])
-    if isinstance(verify, str) and verify.isdigit():
-        return "budget", int(verify)
-    raise ValueError(f"verify must be 'auto', 'full', an integer budget >= 0 or 'depth:K', got {verify!r}")
+    if isinstance(verify, str):
+        for prefix, mode in (("depth:", "depth"), ("budget:", "budget"), ("", "budget")):
+            value = verify[len(prefix):]
+            if verify.startswith(prefix) and value.isascii() and value.isdigit():
+                return mode, int(value)
+    raise ValueError(f"verify must be 'auto', 'full', an integer budget >= 0, 'budget:N' or 'depth:K', got {verify!r}")
 
 
 # ---- D-Cut, and why it stays exact for sampled requests ------------------------------------------------------------
+# A seeded sampled request needs none of what follows: its token at each position is its Gumbel-max draw from p there
+# (`sampling.py`), whatever was drafted or verified, so it is planned like a greedy one, with every signal (its
+# `ScheduledBatch.sampled` is False). The rest is about unseeded sampled requests, which are rejection-sampled.
 # Rejection sampling (Leviathan et al.) emits a token distributed as the target's p at draft position k only if the
 # draft token d_k is distributed as q_k *given that position k is verified*. So whether k is verified may depend
 # on anything known before d_k is drawn (the drafted prefix d_<k, the drafter's distribution q_k, calibrated
@@ -339,8 +344,8 @@ def draft_confidence(probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
 
 def plan_acceptance(accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """The acceptance probabilities `[B, K]` every plan of a step reads (the drafting width, "auto"'s budget, a fixed
-    budget's ranking, the lookup choice): a sampled row's own positions after the first depend on its drawn tokens,
-    so it is planned as if every position were as likely as its first."""
+    budget's ranking, the lookup choice): a rejection-sampled row's (`sampled [B]`) own positions after the first
+    depend on its drawn tokens, so it is planned as if every position were as likely as its first."""
     return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)
 
 
@@ -602,7 +607,8 @@ class DCutPolicy:
         block, where the lookup is expected to have more tokens accepted. Returns the new `tokens, probs, conf`, which
         rows took a lookup `[B]` and how many positions each row carries `[B]`.
 
-        Exact for sampled requests: a lookup is a deterministic proposal (its q is one-hot), and the choice reads only
+        Exact for sampled requests: a seeded one's lookup is verified by exact match against its Gumbel-max token; for
+        a rejection-sampled one a lookup is a deterministic proposal (its q is one-hot), and the choice reads only
         what is known before the drafter's first token was drawn (the lookup's own calibrated acceptance, and the
         drafter's as `plan` plans it: from its first position's confidence). `drafted [B]` (bool): the rows the
         drafter drafted (None: all); the others carry their lookup or nothing."""

@@ -66,6 +66,24 @@ class ModelRunner:
         self._live = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # pending rows per slot
         self._dead = 0  # pending rows of released slots, dropped when the chunks are next joined
 
+    def snapshot(self) -> tuple:
+        """What a step writes before it keeps anything (`advance`): the KV lengths of the target's and the drafter's
+        pools, the pending features the drafter ingests and the anchors; `restore` puts them back after a step that
+        failed. KV entries written past the restored lengths are unused and overwritten; pages a step reserved stay
+        with their slot until it is released."""
+        drafter_lengths = self.batch_drafter.pool.lengths.clone() if self.batch_drafter is not None else None
+        return (self.pool.lengths.clone(), drafter_lengths, list(self._pending), self._live.clone(), self._dead,
+                self.anchor.clone())
+
+    def restore(self, saved: tuple) -> None:
+        lengths, drafter_lengths, pending, live, dead, anchor = saved
+        self.pool.lengths.copy_(lengths)
+        if drafter_lengths is not None:
+            self.batch_drafter.pool.lengths.copy_(drafter_lengths)
+        self._pending, self._dead = pending, dead
+        self._live.copy_(live)
+        self.anchor.copy_(anchor)
+
     def release(self, slot: int) -> None:
         """Free everything `slot` holds: its KV pages, its drafter state and its pending features."""
         self.pool.release(slot)

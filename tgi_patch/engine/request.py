@@ -9,6 +9,24 @@ from dataclasses import dataclass, field
 from .sampling import PenaltyState
 
 FINISH_LENGTH, FINISH_EOS, FINISH_CANCELLED = "length", "eos_token", "cancelled"
+FINISH_ERROR = "error"  # the request failed on its own (`TokenEvent.error` says why); the others ran on
+
+# Bounds that keep a float valid once cast to the float32 the sampling kernels compute with: a positive value below
+# FLOAT32_MIN_POSITIVE (the smallest positive float32, 1.4e-45, rounded down) would round to 0 or to it, one above
+# FLOAT32_MAX_FINITE (the largest, 3.4028e38, rounded down) may round to inf. The server's schema states the same.
+FLOAT32_MIN_POSITIVE = 1e-45
+FLOAT32_MAX_FINITE = 3.4e38
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def int64_seed(seed: int) -> int:
+    """A seed (any integer: TGI's are u64, OpenAI's any) as the signed int64 of its low 64 bits, the random streams'
+    key: seeds equal modulo 2**64 are the same seed."""
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 @dataclass
@@ -30,20 +48,29 @@ class SamplingParams:
         return (self.repetition_penalty, self.frequency_penalty, self.presence_penalty) != (1.0, 0.0, 0.0)
 
     def validate(self) -> None:
+        """Refuses (`ValueError`) what the engine cannot run exactly: every float must stay a valid value once cast to
+        the float32 the sampling kernels compute with (`FLOAT32_MIN_POSITIVE`, `FLOAT32_MAX_FINITE`), so no accepted
+        value turns into 0, inf or NaN there. A temperature has no upper bound (as in TGI): the kernels clamp it to
+        the largest float32, where sampling is already uniform over the allowed tokens."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and > 0 when sampling, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be a bool, got {self.do_sample!r}")
+        if self.do_sample and not (_number(self.temperature) and self.temperature >= FLOAT32_MIN_POSITIVE):
+            raise ValueError(f"temperature must be >= {FLOAT32_MIN_POSITIVE} (a smaller one is 0 as a float32) when "
+                             f"sampling, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
             raise ValueError(f"top_k must be an integer in [0, 2**63), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not isinstance(self.top_n_tokens, int) or not 0 <= self.top_n_tokens <= 1024:
+        for name, low, high in (("top_p", FLOAT32_MIN_POSITIVE, 1.0),
+                                ("repetition_penalty", FLOAT32_MIN_POSITIVE, FLOAT32_MAX_FINITE),
+                                ("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+            value = getattr(self, name)
+            if not (_number(value) and low <= value <= high):
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer (used modulo 2**64), got {self.seed!r}")
+        if isinstance(self.top_n_tokens, bool) or not isinstance(self.top_n_tokens, int) or \
+                not 0 <= self.top_n_tokens <= 1024:
             raise ValueError(f"top_n_tokens must be an integer in [0, 1024], got {self.top_n_tokens!r}")
 
 
@@ -56,6 +83,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     top_tokens: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), most likely first
+    error: str | None = None  # with finish_reason "error": why this request failed
 
 
 @dataclass
@@ -95,3 +123,10 @@ class Request:
     cancelled: bool = False
     prefilled: bool = False
     penalties: PenaltyState | None = None
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed of its own: its tokens are Gumbel-max draws keyed by (seed, position, token), its drafts
+        coupled to the same noise and verified by exact match, so the seed reproduces them in any batch (`sampling.py`);
+        a sampled request without one is rejection-sampled."""
+        return self.params.do_sample and self.params.seed is not None

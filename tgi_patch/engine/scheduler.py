@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, Request, TokenEvent
+from .request import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Request, TokenEvent
 
 
 @dataclass
@@ -26,7 +26,9 @@ class ScheduledBatch:
     slots: torch.Tensor  # [B]
     num_prefill: int
     remaining: torch.Tensor  # [B] tokens each request may still generate
-    sampled: torch.Tensor  # [B] bool: the request samples (else greedy)
+    # [B] bool: the request is rejection-sampled (sampled without a seed), so D-Cut plans it from its first draft
+    # position only (`dcut.py`); greedy and seeded (`Request.coupled`) requests are verified by exact match
+    sampled: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -96,19 +98,24 @@ class Scheduler:
             request.slot = self.free_slots.pop()
             self.running[request.slot] = request
 
-    def schedule(self, device) -> ScheduledBatch | None:
-        """This step's batch (None when nothing runs)."""
-        if not self.running:
+    def schedule(self, device, hold=frozenset()) -> ScheduledBatch | None:
+        """This step's batch: the running requests but those in the slots `hold` (None when nothing runs)."""
+        slots_all = sorted(s for s in self.running if s not in hold)
+        if not slots_all:
             return None
-        slots_all = sorted(self.running)
         prefill = [s for s in slots_all if not self.running[s].prefilled]
         decode = [s for s in slots_all if self.running[s].prefilled]
         order = prefill + decode
         requests = [self.running[s] for s in order]
         slots = torch.tensor(order, dtype=torch.long, device=device)
         remaining = torch.tensor([r.params.max_new_tokens - len(r.generated) for r in requests], device=device)
-        sampled = torch.tensor([r.params.do_sample for r in requests], device=device)
+        sampled = torch.tensor([r.params.do_sample and not r.coupled for r in requests], device=device)
         return ScheduledBatch(requests, slots, len(prefill), remaining, sampled)
+
+    def fail(self, request: Request, error: str) -> TokenEvent:
+        """End `request` on its own error (its slot freed): the event that says so."""
+        self.finish(request)
+        return TokenEvent(request.id, [], [], [], True, FINISH_ERROR, error=error)
 
     def finish(self, request: Request) -> None:
         slot = request.slot
@@ -120,28 +127,36 @@ class Scheduler:
     def update(self, requests: list[Request], emitted: list[list[int]], num_accepted: list[int],
                logprobs: list[list[float]], top: list | None) -> list[TokenEvent]:
         """Advance each request by its accepted drafts and the token after them (a request prefilled this step: by its
-        first token), cut at a stop id or the length limit; finish those that ended. One event per request."""
+        first token), cut at a stop id or the length limit; finish those that ended. One event per request (a
+        request whose update raises fails alone: `fail`)."""
         events = []
         for row, (request, tokens, n, lps) in enumerate(zip(requests, emitted, num_accepted, logprobs)):
-            first_step = not request.prefilled
-            request.prefilled = True
-            count = 1 if first_step else n + 1
-            tokens, lps = tokens[:count], lps[:count]
-            from_draft = [False] if first_step else [True] * n + [False]
-            room = request.params.max_new_tokens - len(request.generated)
-            reason = None
-            for i, token in enumerate(tokens):
-                if token in request.stop:
-                    count, reason = i + 1, FINISH_EOS
-                    break
-            if reason is None and count >= room:
-                count, reason = room, FINISH_LENGTH
-            tokens, lps, from_draft = tokens[:count], lps[:count], from_draft[:count]
-            request.generated.extend(tokens)
-            if request.penalties is not None:
-                request.penalties.add(tokens)
-            top_tokens = top[row][:count] if top is not None and top[row] is not None else None
-            events.append(TokenEvent(request.id, tokens, lps, from_draft, reason is not None, reason, top_tokens))
-            if reason is not None:
-                self.finish(request)
+            try:
+                events.append(self._update_one(request, tokens, n, lps, top[row] if top is not None else None))
+            except Exception as error:  # noqa: BLE001 - this request's own fault: the others' updates go on
+                events.append(self.fail(request, f"{type(error).__name__}: {error}"))
         return events
+
+    def _update_one(self, request: Request, tokens: list[int], n: int, lps: list[float], top) -> TokenEvent:
+        """`update` of one request: its event (`top`: its top tokens per emitted position, or None)."""
+        first_step = not request.prefilled
+        request.prefilled = True
+        count = 1 if first_step else n + 1
+        tokens, lps = tokens[:count], lps[:count]
+        from_draft = [False] if first_step else [True] * n + [False]
+        room = request.params.max_new_tokens - len(request.generated)
+        reason = None
+        for i, token in enumerate(tokens):
+            if token in request.stop:
+                count, reason = i + 1, FINISH_EOS
+                break
+        if reason is None and count >= room:
+            count, reason = room, FINISH_LENGTH
+        tokens, lps, from_draft = tokens[:count], lps[:count], from_draft[:count]
+        request.generated.extend(tokens)
+        if request.penalties is not None:
+            request.penalties.add(tokens)
+        top_tokens = top[:count] if top is not None else None
+        if reason is not None:
+            self.finish(request)
+        return TokenEvent(request.id, tokens, lps, from_draft, reason is not None, reason, top_tokens)

@@ -1,13 +1,15 @@
 """The engine's sampler: where each request's sampling parameters meet the models' logits, for the whole batch.
 
-* Drafting (`draft_selector`): each draft token is the drafter's argmax for a greedy request, or a draw from the
-  drafter's distribution processed with the request's temperature / top-k / top-p (its q) for a sampled one, with the
-  request's own random stream; D-Cut's confidence comes with it.
-* Verification (`verify_drafts`; `verify_forward` picks `verify_greedy` for plain greedy batches): the target's logits at every verified position, penalised position by position,
-  processed like the drafter's for sampled requests, decide in one call for the ragged batch (`kernels.verify`:
-  greedy acceptance, or exact rejection sampling; the spec is `kernels/reference.py`) how many drafts each request
-  keeps and the token after them; with the log-probability of every emitted token and, where asked for, the most
-  likely tokens at each position.
+* Drafting (`draft_selector`): each draft token is the drafter's argmax for a greedy request; for a sampled one, a
+  draw from the drafter's distribution processed with the request's temperature / top-k / top-p (its q): the
+  Gumbel-max draw with the request's own noise when it is seeded, an inverse-CDF draw from its random stream when
+  not (`sampling.py`); D-Cut's confidence comes with it.
+* Verification (`verify_drafts`; `verify_forward` picks `verify_greedy` for plain greedy batches): the target's
+  logits at every verified position, penalised position by position, processed like the drafter's for sampled
+  requests, decide in one call for the ragged batch (`kernels.verify`: greedy acceptance, or exact rejection sampling;
+  the spec is `kernels/reference.py`) how many drafts each request keeps and the token after them; a seeded request
+  takes the greedy rule on its Gumbel-max scores (`sampling.gumbel_scores`), whose argmax is its token. With the
+  log-probability of every emitted token and, where asked for, the most likely tokens at each position.
 
 The distributions and random numbers themselves are `sampling.py`'s."""
 
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .sampling import ACCEPT, DRAFT, RESAMPLE, apply_penalties, process_logits, sample_from, uniforms
+from .sampling import (ACCEPT, DRAFT, RESAMPLE, apply_penalties, gumbel_scores, process_logits, sample_from,
+                       uniforms)
 
 
 def process_requests(logits, requests, span: int) -> torch.Tensor:
@@ -51,12 +54,15 @@ def penalise(raw, draft, requests):
 
 def draft_selector(requests, device, process, confidence):
     """`select(logits [B, V], j)` for `BatchDrafter.draft` over `requests`: draft token j of each request (its
-    argmax when greedy, else a draw from `process(logits, requests, 1)` with its seed at its position j), that q
-    (None when every request is greedy) and D-Cut's `confidence(probs, token)` there."""
+    argmax when greedy, else a draw from q = `process(logits, requests, 1)` at its position j: the Gumbel-max draw
+    with its noise when seeded, coupled to the target's draw there, an inverse-CDF draw with its seed's stream when
+    not), that q (None when every request is greedy) and D-Cut's `confidence(probs, token)` there."""
     greedy = torch.tensor([not r.params.do_sample for r in requests], device=device)
     all_greedy = bool(greedy.all())
     seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
     gen_pos = torch.tensor([len(r.generated) for r in requests], device=device)
+    coupled = [i for i, r in enumerate(requests) if r.coupled]
+    coupled = torch.tensor(coupled, dtype=torch.long, device=device) if coupled else None
 
     def select(logits, j):
         if all_greedy:
@@ -65,6 +71,8 @@ def draft_selector(requests, device, process, confidence):
             return token, None, confidence(probs, token)
         probs = process(logits, requests, 1)
         sampled = sample_from(probs, uniforms(seeds, gen_pos + j, DRAFT))
+        if coupled is not None:  # seeded rows: the Gumbel-max draw from q with the noise of position j
+            sampled[coupled] = gumbel_scores(probs[coupled], seeds[coupled], gen_pos[coupled] + j).argmax(-1)
         token = torch.where(greedy, logits.argmax(-1), sampled)
         greedy_probs = torch.softmax(logits.float(), -1)
         conf = torch.where(greedy, confidence(greedy_probs, token), confidence(probs, token))
@@ -83,23 +91,29 @@ class Verified:
 
 
 def verify_drafts(raw, draft, draft_probs, depth, requests, process=process_requests) -> Verified:
-    """Verify each request's first `depth [B]` draft tokens `draft [B, K]` (q: `draft_probs [B, K, V]` or None when
-    every request is greedy) against the target's logits `raw [B, span, V]` at its verified positions (row j: the
-    token after draft j - 1), with `process` the per-request processing of `process_requests`'s signature."""
+    """Verify each request's first `depth [B]` draft tokens `draft [B, K]` (q: `draft_probs [B, K, V]`, read for the
+    rejection-sampled requests only, or None when there are none) against the target's logits `raw [B, span, V]` at
+    its verified positions (row j: the token after draft j - 1), with `process` the per-request processing of
+    `process_requests`'s signature. A seeded sampled request is verified by the greedy rule on its Gumbel-max scores
+    (`sampling.gumbel_scores` of p) at each position up to its depth: its token there is their argmax."""
     span, dev = raw.shape[1], raw.device
     ar = torch.arange(span, device=dev)[None, :]
     raw = penalise(raw, draft, requests)
-    greedy = torch.tensor([not r.params.do_sample for r in requests], device=dev)
+    exact_match = torch.tensor([not r.params.do_sample or r.coupled for r in requests], device=dev)
     seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=dev)
     gen_pos = torch.tensor([len(r.generated) for r in requests], device=dev)[:, None] + ar
     scores = raw
-    if not bool(greedy.all()):
+    if any(r.params.do_sample for r in requests):
         probs = process(raw.reshape(-1, raw.shape[-1]), requests, span).reshape(raw.shape)
-        scores = torch.where(greedy[:, None, None], raw, probs)
+        scores = torch.where(exact_match[:, None, None], raw, probs)
+        if any(r.coupled for r in requests):  # each seeded row's positions up to its depth (the rest are not read)
+            coupled = torch.tensor([r.coupled for r in requests], device=dev)
+            rows = coupled[:, None] & (ar <= depth[:, None])  # [B, span]
+            scores[rows] = gumbel_scores(probs[rows], seeds[:, None].expand(-1, span)[rows], gen_pos[rows])
     draft_v = draft[:, : span - 1]
     q = draft_probs[:, : span - 1] if draft_probs is not None else None
     num_accepted, next_token = kernels.verify(
-        scores, draft_v, q, depth, greedy, uniforms(seeds[:, None], gen_pos[:, : span - 1], ACCEPT),
+        scores, draft_v, q, depth, exact_match, uniforms(seeds[:, None], gen_pos[:, : span - 1], ACCEPT),
         uniforms(seeds[:, None], gen_pos, RESAMPLE),
     )
     emitted = torch.cat([draft_v, draft_v.new_zeros(len(requests), 1)], 1)

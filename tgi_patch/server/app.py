@@ -121,7 +121,8 @@ def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024
     _add_error_handlers(app)
     _add_generation_routes(app, server)
     _add_service_routes(app, server, tokenizer, model_id)
-    _document_limits(app, max_stop_sequences, max_stop_length, max_client_batch_size)
+    _document_limits(app, max_stop_sequences, max_stop_length, max_client_batch_size, max_input_tokens,
+                     max_total_tokens)
     return app
 
 
@@ -226,9 +227,18 @@ def _add_service_routes(app: FastAPI, server: TGIServer, tokenizer, model_id: st
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _document_limits(app: FastAPI, max_stop_sequences: int, max_stop_length: int, max_client_batch_size: int) -> None:
-    """This server's own limits in the OpenAPI schema."""
+def _document_limits(app: FastAPI, max_stop_sequences: int, max_stop_length: int, max_client_batch_size: int,
+                     max_input_tokens: int, max_total_tokens: int) -> None:
+    """This server's own limits in the OpenAPI schema. What depends on the tokenizer (a prompt's length in tokens,
+    and with it prompt + new tokens <= `max_total_tokens`) cannot be stated there; its bound alone can: at most
+    `max_total_tokens - 1` new tokens (a prompt has at least one), `truncate` at most `max_input_tokens`."""
     schemas = app.openapi()["components"]["schemas"]
+    most_new = {"maximum": max_total_tokens - 1}
+    schemas["GenerateParameters"]["properties"]["max_new_tokens"]["anyOf"][0].update(most_new)
+    schemas["GenerateParameters"]["properties"]["truncate"]["anyOf"][0].update(maximum=max_input_tokens)
+    for name, field in (("ChatRequest", "max_tokens"), ("ChatRequest", "max_completion_tokens"),
+                        ("CompletionRequest", "max_tokens")):
+        schemas[name]["properties"][field]["anyOf"][0].update(most_new)
     stop = protocol.stop_schema(max_stop_sequences, max_stop_length)
     schemas["GenerateParameters"]["properties"]["stop"].update(stop)
     for name in ("ChatRequest", "CompletionRequest"):

@@ -14,8 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-MAX_SEED = 2**63 - 1
+# the engine's bounds: floats stay positive and finite as the float32 its kernels compute with. Seeds: any
+# non-negative integer (TGI's u64 and beyond), used modulo 2**64 (`request.int64_seed`).
+from angelspec_hf.tgi_patch.engine.request import FLOAT32_MAX_FINITE, FLOAT32_MIN_POSITIVE
+
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions
 
 
 def _integral(value):
@@ -45,14 +49,14 @@ class _Body(BaseModel):
 class GenerateParameters(_Body):
     do_sample: bool = False
     max_new_tokens: _says(Int, minimum=1) | None = None
-    repetition_penalty: _says(float, exclusiveMinimum=0) | None = None
+    repetition_penalty: _says(float, minimum=FLOAT32_MIN_POSITIVE, maximum=FLOAT32_MAX_FINITE) | None = None
     frequency_penalty: _says(float, minimum=-2, maximum=2) | None = None
     return_full_text: bool | None = False
     stop: list[_says(str, minLength=1)] = Field(default_factory=list)
-    seed: _says(Int, minimum=0, maximum=MAX_SEED) | None = None
-    temperature: _says(float, exclusiveMinimum=0) | None = None
+    seed: _says(Int, minimum=0) | None = None
+    temperature: _says(float, minimum=FLOAT32_MIN_POSITIVE) | None = None
     top_k: _says(Int, minimum=1) | None = None
-    top_p: _says(float, exclusiveMinimum=0, maximum=1) | None = None
+    top_p: _says(float, minimum=FLOAT32_MIN_POSITIVE, maximum=1) | None = None
     truncate: _says(Int, minimum=1) | None = None
     typical_p: Annotated[float | None, _neutral(1.0)] = None
     best_of: Annotated[Int | None, _neutral(1)] = None
@@ -86,15 +90,15 @@ class _OpenAIRequest(_Body):
     model: str | None = None
     max_tokens: _says(Int, minimum=1) | None = None
     temperature: _says(float, minimum=0) | None = None
-    top_p: _says(float, exclusiveMinimum=0, maximum=1) | None = None
-    seed: _says(Int, minimum=0, maximum=MAX_SEED) | None = None
+    top_p: _says(float, minimum=FLOAT32_MIN_POSITIVE, maximum=1) | None = None
+    seed: _says(Int, minimum=0) | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
     n: Annotated[Int | None, _neutral(1)] = None
     frequency_penalty: _says(float, minimum=-2, maximum=2) | None = None
     presence_penalty: _says(float, minimum=-2, maximum=2) | None = None
-    repetition_penalty: _says(float, exclusiveMinimum=0) | None = None
+    repetition_penalty: _says(float, minimum=FLOAT32_MIN_POSITIVE, maximum=FLOAT32_MAX_FINITE) | None = None
     logit_bias: Annotated[Any, WithJsonSchema({"type": ["object", "null"], "maxProperties": 0})] = None
 
 
@@ -114,6 +118,7 @@ class CompletionRequest(_OpenAIRequest):
     """OpenAI's (legacy) completions, as TGI serves them: the prompt is continued as is (no chat template)."""
 
     prompt: _says(str, minLength=1) | list[_says(str, minLength=1)]
+    max_tokens: _says(Int, minimum=1) | None = COMPLETION_MAX_TOKENS  # also for null (chat: to the context's end)
     best_of: Annotated[Int | None, _neutral(1)] = None
     echo: Annotated[bool | None, _neutral(False)] = None
     suffix: Annotated[str | None, _neutral()] = None

@@ -28,7 +28,7 @@ from starlette.background import BackgroundTask
 from . import protocol
 from .errors import ClientDisconnected, IncompleteGenerationError, ServingError, ValidationError
 from .metrics import ServingMetrics
-from .protocol import ChatRequest, CompletionRequest, GenerateRequest
+from .protocol import FLOAT32_MAX_FINITE, FLOAT32_MIN_POSITIVE, ChatRequest, CompletionRequest, GenerateRequest
 from .text import TextStream, check_text, message_text
 from .worker import EngineWorker, RequestHandle
 
@@ -111,16 +111,19 @@ class TGIServer:
         if len(input_ids) + max_new_tokens > self.max_total_tokens:
             raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {self.max_total_tokens}. Given: "
                                   f"{len(input_ids)} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
-        if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
-            raise ValidationError("`temperature` must be strictly positive and finite")
+        # floats must stay valid as the float32 the sampling kernels compute with (TGI parses them as 32-bit floats)
+        if temperature is not None and not (math.isfinite(temperature) and temperature >= FLOAT32_MIN_POSITIVE):
+            raise ValidationError(f"`temperature` must be strictly positive and finite (>= {FLOAT32_MIN_POSITIVE}: a "
+                                  f"smaller one is 0 as a float32)")
         if top_k is not None and top_k <= 0:
             raise ValidationError("`top_k` must be strictly positive")
         if top_k is not None:
             top_k = min(top_k, 2**31 - 1)  # beyond the vocabulary it keeps every token; as an int64 it must fit
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ValidationError("`seed` must be a non-negative 63-bit integer")
+        if top_p is not None and not FLOAT32_MIN_POSITIVE <= top_p <= 1:
+            raise ValidationError(f"`top_p` must be > 0.0 and <= 1.0 (>= {FLOAT32_MIN_POSITIVE}: a smaller one is 0 as "
+                                  f"a float32)")
+        if seed is not None and seed < 0:
+            raise ValidationError("`seed` must be a non-negative integer")
         if len(stop) > self.max_stop_sequences:
             raise ValidationError(f"`stop` supports up to {self.max_stop_sequences} stop sequences. Given: "
                                   f"{len(stop)}")
@@ -129,8 +132,10 @@ class TGIServer:
         if any(len(s) > self.max_stop_length for s in stop):
             raise ValidationError(f"`stop` sequences must have at most {self.max_stop_length} characters. Given: "
                                   f"{max(map(len, stop))}")
-        if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-            raise ValidationError("`repetition_penalty` must be strictly positive and finite")
+        if repetition_penalty is not None and not \
+                FLOAT32_MIN_POSITIVE <= repetition_penalty <= FLOAT32_MAX_FINITE:
+            raise ValidationError(f"`repetition_penalty` must be strictly positive and finite as a float32 (in "
+                                  f"[{FLOAT32_MIN_POSITIVE}, {FLOAT32_MAX_FINITE}])")
         for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
             if value is not None and not -2 <= value <= 2:
                 raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0")
@@ -164,7 +169,7 @@ class TGIServer:
         self._check_unsupported(n=(body.n, (1,)), tools=(body.tools, ()),
                                 tool_choice=(body.tool_choice, ("none",)),
                                 response_format=(body.response_format, ({"type": "text"},)),
-                                logit_bias=(body.logit_bias or None, ()))
+                                logit_bias=(_logit_bias(body.logit_bias), ()))
         # no content (OpenAI allows `null`) is empty text: templates concatenate it
         messages = [{"role": m.role, "content": message_text(m.content) or ""} for m in body.messages]
         try:
@@ -172,6 +177,11 @@ class TGIServer:
         except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation is a client error
             raise ValidationError(f"the chat template refused the messages: {exc}") from exc
         ids = self._input_ids(None, self.tokenizer(text, add_special_tokens=False).input_ids)
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= protocol.MAX_TOP_N_TOKENS:
+            raise ValidationError(f"`top_logprobs` must be >= 0 and <= {protocol.MAX_TOP_N_TOKENS}")
+        for name in ("max_tokens", "max_completion_tokens"):  # both held to the schema, also the one not used
+            if (value := getattr(body, name)) is not None and not 1 <= value <= self.max_total_tokens - 1:
+                raise ValidationError(f"`{name}` must be >= 1 and <= {self.max_total_tokens - 1} (max_total_tokens - 1)")
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return self._openai_job(body, ids, max_new, top_n_tokens=body.top_logprobs if body.logprobs else None)
 
@@ -179,7 +189,13 @@ class TGIServer:
         """A chat or completions request's job: OpenAI's stop (a string or a list), TGI's rule that temperature 0 is
         greedy and anything else samples, and the three penalties."""
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        greedy = body.temperature == 0
+        if body.temperature is not None and not (math.isfinite(body.temperature) and body.temperature >= 0):
+            raise ValidationError("`temperature` must be >= 0 and finite")
+        if body.top_p is not None and not FLOAT32_MIN_POSITIVE <= body.top_p <= 1:  # checked even where greedy
+            raise ValidationError(f"`top_p` must be > 0.0 and <= 1.0 (>= {FLOAT32_MIN_POSITIVE}: a smaller one is 0 "
+                                  f"as a float32)")
+        # 0 is greedy, and so is what rounds to 0 as a float32 (as TGI, which parses it as an f32, sees it)
+        greedy = body.temperature is not None and body.temperature < FLOAT32_MIN_POSITIVE
         return self.job(ids, max_new_tokens=max_new_tokens, do_sample=not greedy,
                         temperature=None if greedy else body.temperature, top_k=None,
                         top_p=None if greedy else body.top_p, seed=body.seed, stop=stop,
@@ -189,12 +205,13 @@ class TGIServer:
     def completion_jobs(self, body: CompletionRequest) -> list[Job]:
         self._check_unsupported(n=(body.n, (1,)), best_of=(body.best_of, (1,)), echo=(body.echo, (False,)),
                                 suffix=(body.suffix, ()), logprobs=(body.logprobs, ()),
-                                logit_bias=(body.logit_bias or None, ()))
+                                logit_bias=(_logit_bias(body.logit_bias), ()))
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not 1 <= len(prompts) <= self.max_client_batch_size:
             raise ValidationError(f"`prompt` takes 1 to {self.max_client_batch_size} prompts (max_client_batch_size)."
                                   f" Given: {len(prompts)}")
-        return [self._openai_job(body, self._input_ids(prompt), body.max_tokens) for prompt in prompts]
+        max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETION_MAX_TOKENS
+        return [self._openai_job(body, self._input_ids(prompt), max_tokens) for prompt in prompts]
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on the text thread: tokenization and templates never block the event loop."""
@@ -425,6 +442,12 @@ class TGIServer:
                 "max_client_batch_size": self.max_client_batch_size,
                 "router": "angelspec-hf", "version": server_version(), "sha": None, "docker_label": None,
                 **self.info_extra}
+
+
+def _logit_bias(value):
+    """`logit_bias` as `_check_unsupported` takes it: null and `{}` are its neutral values (None); anything else,
+    a non-empty map or a value that is not a map, is refused."""
+    return None if value is None or value == {} else value
 
 
 def server_version() -> str:

@@ -157,8 +157,8 @@ class EngineWorker:
         start = time.perf_counter()
         try:
             events = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - the requests of this step fail, the server keeps serving
-            logger.exception("engine.step failed")
+        except Exception as exc:  # noqa: BLE001 - a fault the engine could not pin on requests: those running fail,
+            logger.exception("engine.step failed")  # the server keeps serving
             self._fail_active(GenerationError(f"Request failed during generation: {exc}"))
             return
         if self.metrics is not None:
@@ -169,6 +169,9 @@ class EngineWorker:
                 continue
             if event.finished:
                 del self._active[event.request_id]
+            if event.error is not None:  # this request failed on its own; the engine served the others
+                self._deliver(handle, GenerationError(f"Request failed during generation: {event.error}"))
+                continue
             self._deliver(handle, event)
 
     def _fail_active(self, error: ServingError) -> None:

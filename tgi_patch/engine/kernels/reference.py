@@ -42,10 +42,11 @@ def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain
 def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
     """Verify each request's first `depth` draft tokens against the target, in one call for the ragged batch.
 
-    scores `[B, K + 1, V]`: row j scores the token after draft j - 1 (row 0 after the anchor): raw target logits for
-    greedy requests, processed target probabilities for sampled ones; draft `[B, K]`; draft_probs `[B, K, V]` (the
-    drafter's processed probabilities; only read for sampled requests, may be None when all are greedy);
-    depth `[B]`; greedy `[B]` bool; u_accept `[B, K]`, u_sample `[B, K + 1]`: uniforms in [0, 1).
+    scores `[B, K + 1, V]`: row j scores the token after draft j - 1 (row 0 after the anchor): for greedy rows, scores
+    whose argmax is the target's token (raw logits; a seeded sampled request's Gumbel-max scores, `gumbel_scores`), for
+    sampled ones processed target probabilities; draft `[B, K]`; draft_probs `[B, K, V]` (the drafter's processed
+    probabilities; only read for sampled rows, may be None when all are greedy); depth `[B]`; greedy `[B]` bool;
+    u_accept `[B, K]`, u_sample `[B, K + 1]`: uniforms in [0, 1).
 
     Greedy: accept while the draft equals the target's argmax; the next token is the target's argmax after the last
     accepted one. Sampling (Leviathan et al.): accept draft j when `u * q(d) < p(d)`; at the first rejection sample

@@ -4,8 +4,9 @@ outputs) that run on CPU and define what these compute. Dispatch is in `kernels/
 * `dcut_select`: one program for the whole ragged batch — survival products along each block, a global sort of
   (survival, position) keys, expected-gain prefix sums, the budget that maximises gain per unit of predicted cost, and
   each request's depth.
-* `verify`: one program per request — greedy acceptance against the target's argmax, or exact rejection sampling,
-  then the correction / bonus token by inverse-CDF sampling over the vocabulary in blocks.
+* `verify`: one program per request — greedy acceptance against the argmax of its scores (a greedy request's logits,
+  a seeded sampled request's Gumbel-max scores), or exact rejection sampling, then the correction / bonus token by
+  inverse-CDF sampling over the vocabulary in blocks.
 """
 
 from __future__ import annotations
