@@ -182,6 +182,21 @@ MUTATIONS = [
 ]
 
 
+FAULTS = "tests/test_fault_isolation.py"
+MUTATIONS += [
+    Mutation("one request: a failed step's KV lengths not restored before its retry",
+             "tgi_patch/engine/model_runner.py", "        self.pool.lengths.copy_(lengths)\n", "",
+             [f"{FAULTS}::test_a_fault_in_one_request_fails_it_alone[sampling-dfly]"], note="one request"),
+    Mutation("one request: a temperature that is 0 as a float32 accepted", "tgi_patch/engine/request.py",
+             "self.temperature >= FLOAT32_MIN_POSITIVE", "self.temperature > 0",
+             [f"{FAULTS}::test_values_that_vanish_or_overflow_in_float32_are_refused"], note="one request"),
+    Mutation("one request: the sampler passes +inf / NaN logits on", "tgi_patch/engine/sampling.py",
+             "    return x.masked_fill(~(x > -float(\"inf\")).any(-1, keepdim=True), 0.0)\n",
+             "    return logits.float()\n",
+             [f"{FAULTS}::test_the_sampler_is_defined_for_any_logits_and_temperature"], note="one request"),
+]
+
+
 def copy_tree(dest: Path) -> None:
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                            capture_output=True).stdout.decode().split("\0")

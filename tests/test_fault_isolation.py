@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from angelspec_hf.tgi_patch.engine import FINISH_ERROR, GenerationFailed, SamplingParams, SpeculativeEngine, \
     generate_batch, parse_verify
+from angelspec_hf.tgi_patch.engine.core import StepKeptError
 from angelspec_hf.tgi_patch.engine.dcut import CostModel
 from angelspec_hf.tgi_patch.engine.request import FLOAT32_MAX_FINITE, FLOAT32_MIN_POSITIVE, int64_seed
 from angelspec_hf.tgi_patch.engine.sampling import apply_penalties, process_logits, sample_from
@@ -299,3 +300,32 @@ def test_verify_accepts_every_documented_form():
     for bad in ("budget:", "budget:-1", "depth:x", "٣", True, -1):
         with pytest.raises(ValueError):
             parse_verify(bad)
+
+
+def test_a_failure_after_the_step_kept_its_tokens_is_not_retried(target):
+    """A fault while recording a step whose requests have advanced propagates (`StepKeptError`) instead of being
+    retried, which would advance them twice; stepping on afterwards gives the clean run's tokens."""
+    class FailingRecord(SpeculativeEngine):
+        fail_at = 2
+
+        def _record(self, *args, **kwargs):
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise RuntimeError("injected fault after the tokens were kept")
+            return super()._record(*args, **kwargs)
+
+    drafter = tiny_drafter("dfly", target)
+    work = [([5, 9, 11, 4], SamplingParams(max_new_tokens=12)), ([7, 3], SamplingParams(max_new_tokens=9))]
+    clean, _, _ = _run(SpeculativeEngine(target, drafter, verify="full", cost_model=FIXED_COST), work)
+    engine = FailingRecord(target, drafter, verify="full", cost_model=FIXED_COST)
+    ids = [engine.add_request(p, SamplingParams(**vars(params))) for p, params in work]
+    requests = [engine.scheduler.requests[i] for i in ids]
+    raised = 0
+    while engine.has_work():
+        try:
+            engine.step()
+        except StepKeptError:
+            raised += 1
+    assert raised == 1
+    # the failed step's tokens were kept once (not advanced twice) and the requests ran on to the clean run's end
+    assert [r.generated for r in requests] == clean

@@ -23,13 +23,13 @@ model_runner → drafting → paged; dcut, verification → kernels → sampling
 no import cycle appears anywhere in the package.
 """
 
-from .core import GenerationFailed, SpeculativeEngine, generate_batch
+from .core import GenerationFailed, SpeculativeEngine, StepKeptError, generate_batch
 from .dcut import AcceptanceCalibrator, CostModel, parse_verify
 from .request import (FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, SamplingParams, StepTrace,
                       TokenEvent)
 
 __all__ = [
     "FINISH_CANCELLED", "FINISH_EOS", "FINISH_ERROR", "FINISH_LENGTH", "AcceptanceCalibrator", "CostModel",
-    "GenerationFailed", "SamplingParams", "SpeculativeEngine", "StepTrace", "TokenEvent", "generate_batch",
-    "parse_verify",
+    "GenerationFailed", "SamplingParams", "SpeculativeEngine", "StepKeptError", "StepTrace", "TokenEvent",
+    "generate_batch", "parse_verify",
 ]

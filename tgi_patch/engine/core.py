@@ -201,7 +201,7 @@ class SpeculativeEngine:
         try:
             return events + self._step(start)
         except Exception as error:
-            if not self.isolate_faults:
+            if not self.isolate_faults or isinstance(error, StepKeptError):
                 raise
             logger.warning("a step failed (%s: %s); retrying it on parts of the batch", type(error).__name__, error)
             return events + self._isolate(sorted(self.scheduler.running), error)
@@ -228,9 +228,14 @@ class SpeculativeEngine:
         except BaseException:
             self.runner.restore(saved)
             raise
-        # 5. advance every request by its own count; 6. bookkeeping
-        emitted = self._advance(batch, proposal, depth, forward, verified)
-        self._record(trace, batch, proposal, depth, verified, emitted, start)
+        # 5. advance every request by its own count; 6. bookkeeping. From here the step is kept: a failure is not
+        # retried (the requests have advanced), it propagates (a request's own bookkeeping fault fails it alone:
+        # `Scheduler.update`)
+        try:
+            emitted = self._advance(batch, proposal, depth, forward, verified)
+            self._record(trace, batch, proposal, depth, verified, emitted, start)
+        except Exception as error:
+            raise StepKeptError(f"a step failed after keeping its tokens: {type(error).__name__}: {error}") from error
         return emitted
 
     def _isolate(self, slots: list[int], error: Exception) -> list[TokenEvent]:
@@ -250,6 +255,8 @@ class SpeculativeEngine:
             hold = frozenset(self.scheduler.running) - set(part)
             try:
                 events += self._step(clock(self.device), hold)
+            except StepKeptError:
+                raise
             except Exception as part_error:  # noqa: BLE001 - narrowed down, then reported per request
                 events += self._isolate([s for s in part if s in self.scheduler.running], part_error)
         return events
@@ -477,6 +484,10 @@ def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: 
         failure.outputs, failure.failed = result, sorted(errors)
         raise failure
     return (result, engine) if return_engine else result
+
+
+class StepKeptError(RuntimeError):
+    """A step failed after its requests had advanced (while keeping its tokens or recording it): not retried."""
 
 
 class GenerationFailed(RuntimeError):

@@ -113,8 +113,9 @@ class Scheduler:
         return ScheduledBatch(requests, slots, len(prefill), remaining, sampled)
 
     def fail(self, request: Request, error: str) -> TokenEvent:
-        """End `request` on its own error (its slot freed): the event that says so."""
-        self.finish(request)
+        """End `request` on its own error (its slot freed, unless it already was): the event that says so."""
+        if self.running.get(request.slot) is request:
+            self.finish(request)
         return TokenEvent(request.id, [], [], [], True, FINISH_ERROR, error=error)
 
     def finish(self, request: Request) -> None:
