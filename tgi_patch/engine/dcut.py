@@ -331,7 +331,7 @@ def parse_verify(verify) -> tuple[str, int | None]:
 # survival clears the threshold, which reads d_<k alone. Ranking by q(d_k) — the probability of the token actually
 # drawn — made verification favour tokens the drafter over-proposes and skewed the output (issue 11); a drafting
 # width read from the sampled confidences let position k's verification follow d_k through the budget (found in
-# review, session 37). Since no plan reads another request's draws either, requests that share a seed, and with it
+# review). Since no plan reads another request's draws either, requests that share a seed, and with it
 # their random streams, cannot steer each other's verification. Greedy requests have no randomness to bias and keep
 # every signal. (`SpeculativeEngine.draft_confidence` / `.plan_acceptance` call these; a subclass may swap a rule,
 # as tests do.)
