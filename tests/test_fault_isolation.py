@@ -55,6 +55,8 @@ def test_the_bounds_are_the_float32_range():
     (dict(presence_penalty=2.0000001), "presence_penalty"),
     (dict(seed=1.5), "seed"),
     (dict(top_k=True), "top_k"),
+    (dict(do_sample=1), "do_sample"),
+    (dict(repetition_penalty=10**400), "repetition_penalty"),
 ])
 def test_values_that_vanish_or_overflow_in_float32_are_refused(params, needle):
     with pytest.raises(ValueError, match=needle):

@@ -19,7 +19,13 @@ FLOAT32_MAX_FINITE = 3.4e38
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    """A real number (not a bool, not NaN) that a float holds (an int past float's range is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return not math.isnan(float(value))
+    except OverflowError:
+        return False
 
 
 def int64_seed(seed: int) -> int:
