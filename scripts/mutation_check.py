@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mutation check of the lossless guarantee (issue 11): apply each known-wrong rule, alone, to a scratch copy of the
+"""Mutation check of the lossless guarantee: apply each known-wrong rule, alone, to a scratch copy of the
 repository, run the tests named for it, and report whether they caught it. Exit status 1 if any mutation survives
 (or a named test is missing, or the unmutated copy does not pass its tests).
 
@@ -48,7 +48,7 @@ class Mutation:
     old: str
     new: str
     tests: list[str]
-    note: str = "issue 11"  # "issue 11": a blind spot the issue listed; "record": caught before, kept for the record
+    note: str = "exactness"  # the group it belongs to; "record": caught by older tests, kept for the record
     result: dict = field(default_factory=dict)
 
 
@@ -57,7 +57,7 @@ MUTATIONS = [
              "    return probs.max(-1).values\n",
              "    raise RuntimeError('mutation_check sanity mutation')\n",
              ["tests/test_engine.py::test_draft_confidence_does_not_look_at_the_drafted_token"], note="sanity"),
-    # ---- issue 11's blind spots ------------------------------------------------------------------------------------
+    # ---- exactness blind spots of the sampled paths ------------------------------------------------------------------------------------
     Mutation("engine ignores temperature", "tgi_patch/engine/verification.py",
              "[r.params.temperature if r.params.do_sample else 1.0 for r in requests]",
              "[1.0 for r in requests]",
@@ -92,28 +92,28 @@ MUTATIONS = [
              "return torch.where(sampled[:, None], accept[:, :1].expand_as(accept), accept)",
              "return accept",
              ["tests/test_engine.py::test_auto_selection_of_a_sampled_position_ignores_its_later_positions"]),
-    Mutation("auto drafting width from the sampled rows' real later confidences (before session 37)",
+    Mutation("auto drafting width from the sampled rows' real later confidences (an earlier rule)",
              "tgi_patch/engine/dcut.py",
              "survival = survival * plan(torch.stack(accepts, 1), sampled)[:, -1]",
              "survival = survival * accepts[-1]",
-             ["tests/test_engine.py::test_auto_drafts_a_sampled_row_as_wide_as_its_plan"], note="session 37"),
+             ["tests/test_engine.py::test_auto_drafts_a_sampled_row_as_wide_as_its_plan"], note="drafting width"),
     Mutation("fixed budget ranks sampled rows by their real survival (requests sharing a seed steer each other)",
              "tgi_patch/engine/dcut.py",
              "kernels.dcut_select(plan(accept, sampled), num_drafted, self.mode_value)",
              "kernels.dcut_select(accept, num_drafted, self.mode_value)",
              ["tests/test_engine.py::test_auto_selection_of_a_sampled_position_ignores_its_later_positions"],
-             note="session 37"),
+             note="drafting width"),
     Mutation("page leak: PagedKVPool.release keeps one page off the free list", "tgi_patch/engine/paged.py",
-             "self.free_pages.extend(self.page_table[slot, : self.num_pages[slot]].tolist())",
-             "self.free_pages.extend(self.page_table[slot, : self.num_pages[slot]].tolist()[1:])",
+             "self.free_pages.extend(self.owned[slot])",
+             "self.free_pages.extend(self.owned[slot][1:])",
              [f"{EQUIVALENCE}::test_pages_return_to_the_free_list"]),
     Mutation("padding keys read from the pages' own (unwritten) slots instead of page 0", "tgi_patch/engine/paged.py",
              "return torch.where(valid, index, torch.zeros_like(index))",
              "return index",
              [f"{EQUIVALENCE}::test_kv_pages_are_never_read_before_they_are_written"]),
     Mutation("engine draft cache cropped one entry short", "tgi_patch/engine/drafting.py",
-             "self.pool.lengths[slots] = context  #",
-             "self.pool.lengths[slots] = context - 1  #",
+             "self.pool.set_lengths(slots_host, context_host, slots, context)",
+             "self.pool.set_lengths(slots_host, [c - 1 for c in context_host], slots, context - 1)",
              [f"{EQUIVALENCE}::test_engine_drafts_what_the_hook_drafts"]),
     Mutation("engine MTP next-token feature shifted by one (_keep_features)", "tgi_patch/engine/model_runner.py",
              "after = torch.cat([fed[:, 1:], fed.new_zeros(len(fed), 1)], 1)",
@@ -123,7 +123,7 @@ MUTATIONS = [
              "self.stats.accepted.append(int(num_matches))",
              "self.stats.accepted.append(int(num_matches) + 1)",
              [f"{EQUIVALENCE}::test_accepted_counts_match_a_hand_count"]),
-    # ---- caught before issue 11, for the record ----------------------------------------------------------------
+    # ---- caught by older tests, for the record -------------------------------------------------------------------
     Mutation("accept one token too many (past the verified depth)", "tgi_patch/engine/kernels/reference.py",
              "in_depth = ar < depth[:, None]", "in_depth = ar <= depth[:, None]",
              ["tests/test_engine.py::test_greedy_equals_plain_decoding_for_any_mix", REFERENCE_LAW,
@@ -138,23 +138,23 @@ MUTATIONS = [
     Mutation("bonus token from the residual", "tgi_patch/engine/kernels/reference.py",
              "use_residual = rejected & (residual.sum(-1) > 0)", "use_residual = residual.sum(-1) > 0",
              [REFERENCE_LAW, f"{ENGINE_SAMPLING}[full-T1]"], note="record"),
-    # ---- issue 12: shadow probes (the hook's probes beside plain steps) ------------------------------------------
+    # ---- shadow probes (the hook's probes beside plain steps) ------------------------------------------
     Mutation("shadow probe samples its token (draws from the generation's random stream)",
              "modeling/candidate_generator.py",
              "            peak, token = probs.max(dim=-1)\n            shadow.update(",
              "            peak, token = probs.max(dim=-1)\n            token = torch.multinomial(probs, 1)[:, 0]\n"
              "            shadow.update(",
-             ["tests/test_sampling.py::test_shadow_probes_leave_the_random_stream_alone"], note="issue 12"),
+             ["tests/test_sampling.py::test_shadow_probes_leave_the_random_stream_alone"], note="shadow probes"),
     Mutation("shadow probe's acceptance is the chance that p's draw equals q's", "modeling/candidate_generator.py",
              "return float(torch.minimum(p, draft_probs.to(p.device, torch.float32)).sum())",
              "return float((p * draft_probs.to(p.device, torch.float32)).sum())",
              ["tests/test_sampling.py::test_a_shadow_drafts_acceptance_is_speculative_samplings_acceptance_rate"],
-             note="issue 12"),
+             note="shadow probes"),
     Mutation("shadow probe drafts without the plain steps' features", "modeling/candidate_generator.py",
              "self._shadow_draft(input_ids, self._catch_up(context))",
              "self._shadow_draft(input_ids, context)",
              ["tests/test_draft_policy.py::test_a_shadow_draft_scores_the_first_token_as_verifying_it_would"],
-             note="issue 12"),
+             note="shadow probes"),
     # ---- seeded sampling: Gumbel-max draws, drafts coupled to the same noise ----------------------------------
     Mutation("seeded requests rejection-sampled (the scheme before: tokens follow the batch)",
              "tgi_patch/engine/request.py",
@@ -163,29 +163,30 @@ MUTATIONS = [
              [f"{SEEDED_REPRO}[5-no-lookups]", f"{SEEDED_REPRO}[full-lookups]"], note="seeded"),
     Mutation("seeded target draws keyed by the step's block offset instead of the position",
              "tgi_patch/engine/verification.py",
-             "seeds[:, None].expand(-1, span)[rows], gen_pos[rows])",
-             "seeds[:, None].expand(-1, span)[rows], (gen_pos - gen_pos[:, :1])[rows])",
+             "seeds[at[0]], gen_pos[at[0], at[1]])",
+             "seeds[at[0]], (gen_pos - gen_pos[:, :1])[at[0], at[1]])",
              [f"{SEEDED_REPRO}[auto-no-lookups]", f"{SEEDED_LAW}[drafter-auto-T0.7-topk]"], note="seeded"),
     Mutation("seeded drafts drawn with other noise than the target's (the coupling broken; still exact)",
              "tgi_patch/engine/verification.py",
              "gumbel_scores(probs[coupled], seeds[coupled], gen_pos[coupled] + j)",
              "gumbel_scores(probs[coupled], seeds[coupled] + 1, gen_pos[coupled] + j)",
              ["tests/test_engine.py::test_a_seeded_draft_is_coupled_to_the_targets_draw"], note="seeded"),
-    # ---- issue 13: training lines up with drafting -------------------------------------------------------------
+    # ---- training lines up with drafting -------------------------------------------------------------
     Mutation("block training labels off by one (row k learns token a + k - 1)", "trainer/trainer.py",
              "labels = _gather_rows(input_ids, positions[..., 1:])",
              "labels = _gather_rows(input_ids, positions[..., :-1])",
-             [f"{MEMORISE}[dflash]", f"{MEMORISE}[dfly]"], note="issue 13"),
+             [f"{MEMORISE}[dflash]", f"{MEMORISE}[dfly]"], note="training"),
     Mutation("MTP step inputs off by one (step j reads x_{t+2+j})", "trainer/trainer.py",
              "(index + 1 + j).expand(ids.shape[0], -1)", "(index + 2 + j).expand(ids.shape[0], -1)",
-             [f"{MEMORISE}[mtp]"], note="issue 13"),
+             [f"{MEMORISE}[mtp]"], note="training"),
 ]
 
 
 FAULTS = "tests/test_fault_isolation.py"
 MUTATIONS += [
     Mutation("one request: a failed step's KV lengths not restored before its retry",
-             "tgi_patch/engine/model_runner.py", "        self.pool.lengths.copy_(lengths)\n", "",
+             "tgi_patch/engine/model_runner.py",
+             "        self.pool.lengths.copy_(lengths[0])\n        self.pool.held[:] = lengths[1]\n", "",
              [f"{FAULTS}::test_a_fault_in_one_request_fails_it_alone[sampling-dfly]"], note="one request"),
     Mutation("one request: a temperature that is 0 as a float32 accepted", "tgi_patch/engine/request.py",
              "self.temperature >= FLOAT32_MIN_POSITIVE", "self.temperature > 0",
@@ -337,7 +338,7 @@ def main() -> int:
         print("|---|---|---|---|---|---|")
         for m in mutations:
             r = m.result
-            tag = "" if m.note == "issue 11" else f" ({m.note})"
+            tag = "" if m.note == "exactness" else f" ({m.note})"
             print(f"| {m.name}{tag} | `{m.path}` | {'<br>'.join(short(t) for t in m.tests)} | {r['caught']} | "
                   f"{'<br>'.join(short(f) for f in r['failed']) or '-'} | {r['seconds']:.0f} |")
         survivors = [m.name for m in mutations if m.result["caught"] != "yes"]

@@ -17,9 +17,17 @@
   `PoolCache` / `PoolDraftCache`, the pool as a drafter's cache.
 - `kernels/`: D-Cut selection and verification, the torch `reference.py` beside `triton_kernels.py`; the dispatch
   in `kernels/__init__.py`.
+- `transfer.py`: `upload`, host values queued to the device without waiting for it; `ngram.py`: `NgramIndex`,
+  the incremental n-gram lookup of a request's context.
+
+Host and device: per-slot state (KV lengths, page tables, anchors, pending drafter features, D-Cut's calibration
+tables) lives in device tensors updated in place, and the host keeps integer mirrors of what sizes a step (lengths,
+pages owned, pending counts), so planning and allocation never read the device. A step reads the device once, for
+everything the host needs of it together (`SpeculativeEngine._read`), plus once before the forward where D-Cut chose
+the depths on the device (a budget, "auto", n-gram lookups); `tests/test_host_syncs.py` counts the reads per step kind.
 
 Imports only go one way: core → scheduler, model_runner, dcut, verification; scheduler → request → sampling;
-model_runner → drafting → paged; dcut, verification → kernels → sampling. `tests/test_import_graph.py` checks that
+model_runner → drafting → paged; dcut, verification → kernels → sampling; any of them → transfer. `tests/test_import_graph.py` checks that
 no import cycle appears anywhere in the package.
 """
 

@@ -38,6 +38,7 @@ from .model_runner import ModelRunner, PackedForward
 from .request import Request, SamplingParams, StepTrace, TokenEvent, int64_seed
 from .sampling import PenaltyState
 from .scheduler import ScheduledBatch, Scheduler
+from .transfer import upload
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Proposal:
     draft_seconds: float = 0.0  # the drafting call's wall time
     draft_rows: int = 0  # the rows of the drafting call
     draft_features: int = 0  # the padded pending feature positions it ingested
+    num_drafted_host: list[int] | None = None  # `num_drafted` where the host knows it without reading it
 
     @property
     def drafted(self) -> bool:
@@ -84,14 +86,17 @@ class SpeculativeEngine:
     written, so on CPU memory is used only as tokens are held (on a GPU it is allocated up front, as TGI's
     warm-up allocates its KV blocks), and a pool that must grow copies itself once per doubling. `isolate_faults`: a
     step that raises is retried without the requests it fails for, which finish with `finish_reason="error"`
-    (`step`); False: the exception propagates."""
+    (`step`); False: the exception propagates. `early_stop_drafting`: in "auto" mode, stop drafting at the first
+    position no request could have verified (`DCutPolicy.drafting_bound`), which reads the device once per drafted
+    position; default: on CPU, where a read costs nothing and a position not computed saves its time (elsewhere the
+    whole block is drafted and D-Cut still chooses what to verify)."""
 
     KV_TOKENS_PER_SEQUENCE = 1024
 
     def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
                  cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
                  lookup_tokens: int | None = None, measure_rates: bool = True, kv_cache_tokens: int | None = None,
-                 isolate_faults: bool = True):
+                 isolate_faults: bool = True, early_stop_drafting: bool | None = None):
         if drafter is not None:
             drafter.check_target(target)
         mode, mode_value = parse_verify(verify)
@@ -107,6 +112,7 @@ class SpeculativeEngine:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
         self.runner = ModelRunner(target, drafter, max_batch_size, kv_cache_tokens)
         self.device = self.runner.device
+        self.early_stop_drafting = self.device.type == "cpu" if early_stop_drafting is None else early_stop_drafting
         config = target.config.get_text_config()
         self.vocab_size = config.vocab_size
         self.max_total_tokens = getattr(config, "max_position_embeddings", None) or 1 << 30
@@ -120,8 +126,11 @@ class SpeculativeEngine:
             lookup_tokens=config_lookup if lookup_tokens is None else lookup_tokens,
             lookup_max_ngram=getattr(drafter.config, "lookup_max_ngram", 3) if drafter is not None else 3,
             measure=measure_rates)
+        self.policy.calibrator.to(self.device)  # updated and read by every step where the step runs
+        self.policy.lookup_calibrator.to(self.device)
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, release=self._release)
         self.last_step: StepTrace | None = None
+        self._probe_rows_host: list[int] | None = None  # a probe's rows as `_propose` chose them, for `_draft`
         self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
                        "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "lookup_steps": 0, "requests_finished": 0,
                        "seconds": 0.0}
@@ -220,8 +229,14 @@ class SpeculativeEngine:
             proposal = self._propose(batch)
             accept = self._acceptance(proposal.conf, proposal.lookup)
             depth = self._select(accept, proposal.num_drafted, batch.num_decode, trace, batch.sampled, proposal)
+            # the forward's shape: the depths, known to the host unless D-Cut chose them on the device (a budget,
+            # "auto", n-gram lookups), where they are the step's one read before the forward
+            depth_host = self.policy.depth_on_host(proposal.num_drafted_host, accept is not None)
+            if depth_host is None:
+                depth_host = depth.tolist()
             # 3. one packed target forward: prompts of new requests, [anchor, draft[:depth]] of the others
-            forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth)
+            forward = self.runner.forward(batch.slots, batch.prompts, proposal.tokens, depth,
+                                          slots_host=batch.slots_host, depth_host=depth_host)
             # 4. verify every request in one call
             verified = verification.verify_forward(forward, proposal.tokens, proposal.probs, depth, batch.requests,
                                                   self._process)
@@ -232,8 +247,8 @@ class SpeculativeEngine:
         # retried (the requests have advanced), it propagates (a request's own bookkeeping fault fails it alone:
         # `Scheduler.update`)
         try:
-            emitted = self._advance(batch, proposal, depth, forward, verified)
-            self._record(trace, batch, proposal, depth, verified, emitted, start)
+            emitted, host = self._advance(batch, proposal, depth, forward, verified, depth_host, trace)
+            self._record(trace, batch, proposal, depth, verified, emitted, start, host)
         except Exception as error:
             raise StepKeptError(f"a step failed after keeping its tokens: {type(error).__name__}: {error}") from error
         return emitted
@@ -266,22 +281,25 @@ class SpeculativeEngine:
         or an n-gram lookup where that is expected to do better ("draft"; "probe": the drafter drafts for a few rows
         only); n-gram lookups alone, without running the drafter ("lookup"); nothing ("plain": nobody decoding, or
         D-Cut backing off)."""
-        n_pre, dec = batch.num_prefill, slice(batch.num_prefill, None)
+        n_pre = batch.num_prefill
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
-        probs = conf = lookup = row_limit = drafter_rows = None
+        probs = conf = lookup = row_limit = drafter_rows = rows_host = None
         kind, seconds, features, draft_rows, drafted_width = "plain", 0.0, 0, 0, 0
+        remaining = batch.remaining_host[n_pre:]  # every decision below reads host values only
         if batch.num_decode > 0:
             width = self.policy.draft_width(self.batch_drafter.num_draft_tokens) if self.batch_drafter else 0
-            if not bool((batch.remaining[dec] > 1).any()):  # every row is at its last token: nothing to draft
+            if not any(r > 1 for r in remaining):  # every row is at its last token: nothing to draft
                 width = 0
-            pending = self.runner.pending(batch.slots[dec]) if self.batch_drafter else None
-            catch_up = batch.num_decode * int(pending.max()) if self.batch_drafter else 0
-            horizon = int(batch.remaining[dec].float().mean())
+            pending = self.runner.pending_host(batch.slots_host[n_pre:]) if self.batch_drafter else None
+            catch_up = batch.num_decode * max(pending) if self.batch_drafter else 0
+            horizon = sum(remaining) // len(remaining)  # their mean, rounded down
             kind = self.policy.step_kind(batch.num_decode, width, catch_up, horizon)
         if kind in ("draft", "probe"):
-            rows = self.policy.probe_rows(pending, batch.remaining[dec]) if kind == "probe" else None
-            draft_rows = batch.num_decode if rows is None else len(rows)
-            features = draft_rows * int((pending if rows is None else pending[rows]).max())
+            rows_host = self.policy.probe_rows(pending, remaining) if kind == "probe" else None
+            draft_rows = batch.num_decode if rows_host is None else len(rows_host)
+            features = draft_rows * max(pending if rows_host is None else [pending[r] for r in rows_host])
+            self._probe_rows_host = rows_host
+            rows = None if rows_host is None else upload(rows_host, self.device)
             start = clock(self.device)
             tokens, probs, conf, lookup, row_limit, drafter_rows, drafted_width = self._draft(batch, rows)
             seconds = clock(self.device) - start
@@ -293,9 +311,15 @@ class SpeculativeEngine:
             drafter_rows = _pad_rows(drafter_rows, n_pre) if drafter_rows is not None else None
         num_drafted = (batch.remaining - 1).clamp(min=0, max=tokens.shape[1])
         num_drafted[:n_pre] = 0
+        width = tokens.shape[1]
+        num_drafted_host = [0] * n_pre + [min(max(r - 1, 0), width) for r in remaining]
         if row_limit is not None:
             num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
             lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
+            # the host knows the limit of a probe without lookups (its rows' width); a lookup's is the device's
+            probed = set(rows_host) if kind == "probe" and not self.policy.uses_lookup else None
+            num_drafted_host = None if probed is None else [
+                n if i >= n_pre and i - n_pre in probed else 0 for i, n in enumerate(num_drafted_host)]
         full_rows = None
         if drafter_rows is not None:
             if lookup is not None:
@@ -303,32 +327,39 @@ class SpeculativeEngine:
             # what D-Cut may remember of the drafter: blocks not cut short by their request's end
             full_rows = drafter_rows & (batch.remaining - 1 >= drafted_width)
         return Proposal(tokens, probs, conf, lookup, num_drafted, kind, drafter_rows, full_rows, seconds, draft_rows,
-                        features)
+                        features, num_drafted_host)
 
     def _draft(self, batch: ScheduledBatch, rows=None):
         """The decoding rows' proposals when the drafter drafts for all of them, or for the decoding rows `rows`
         (indices) only: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`, which rows took
         an n-gram lookup `[n_dec]` and how many positions each carries `[n_dec]` (None, None: no lookups), which
         rows the drafter drafted `[n_dec]` and how many positions it drafted."""
-        dec = slice(batch.num_prefill, None)
+        n_pre, dec = batch.num_prefill, slice(batch.num_prefill, None)
         requests, remaining, n_dec = batch.requests[dec], batch.remaining[dec], batch.num_decode
         drafted = torch.ones(n_dec, dtype=torch.bool, device=self.device)
-        if rows is not None:
+        if rows is None:
+            rows_host = list(range(n_dec))
+        else:  # the rows as the host chose them (`_propose`), else read
+            rows_host = self._probe_rows_host
+            rows_host = rows.tolist() if rows_host is None or len(rows_host) != len(rows) else rows_host
             drafted = torch.zeros_like(drafted).index_fill_(0, rows, True)
-        chosen = [r for r, d in zip(requests, drafted.tolist()) if d]
+        self._probe_rows_host = None
+        chosen = [requests[i] for i in rows_host]
         k = self.policy.draft_width(self.batch_drafter.num_draft_tokens)
-        keep_going = self.policy.drafting_bound(remaining[drafted], batch.num_decode, batch.sampled[dec][drafted],
-                                                self.plan_acceptance)
+        pick = (lambda x: x) if rows is None else (lambda x: x[rows])
+        keep_going = self.policy.drafting_bound(pick(remaining), batch.num_decode, pick(batch.sampled[dec]),
+                                                self.plan_acceptance) if self.early_stop_drafting else None
         select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence)
-        tokens, probs, conf = self.runner.draft(batch.slots[dec][drafted], k, select, keep_going)
+        tokens, probs, conf = self.runner.draft(pick(batch.slots[dec]), k, select, keep_going,
+                                                slots_host=[batch.slots_host[n_pre + i] for i in rows_host])
         width = tokens.shape[1]  # k, or fewer where `keep_going` stopped
         if rows is not None:  # the other rows: nothing from the drafter
-            tokens, conf = _scatter_rows(tokens, drafted), _scatter_rows(conf, drafted)
-            probs = _scatter_rows(probs, drafted) if probs is not None else None
+            tokens, conf = _scatter_rows(tokens, rows, n_dec), _scatter_rows(conf, rows, n_dec)
+            probs = _scatter_rows(probs, rows, n_dec) if probs is not None else None
         if not self.policy.uses_lookup:
             limit = None if rows is None else torch.where(drafted, width, 0)
             return tokens, probs, conf, None if rows is None else torch.zeros_like(drafted), limit, drafted, width
-        return *self._lookup(requests, remaining, batch.sampled[dec], tokens, probs, conf,
+        return *self._lookup(requests, batch.remaining_host[n_pre:], batch.sampled[dec], tokens, probs, conf,
                              None if rows is None else drafted), drafted, width
 
     def _lookup_only(self, batch: ScheduledBatch):
@@ -338,30 +369,88 @@ class SpeculativeEngine:
         n_dec, sampled = batch.num_decode, batch.sampled[dec]
         tokens = torch.zeros(n_dec, 0, dtype=torch.long, device=self.device)
         conf = torch.zeros(n_dec, 0, device=self.device)
-        probs = torch.zeros(n_dec, 0, self.vocab_size, device=self.device) if bool(sampled.any()) else None
-        return self._lookup(batch.requests[dec], batch.remaining[dec], sampled, tokens, probs, conf)
+        probs = torch.zeros(n_dec, 0, self.vocab_size, device=self.device) if any(batch.sampled_host[dec]) else None
+        return self._lookup(batch.requests[dec], batch.remaining_host[dec], sampled, tokens, probs, conf)
 
     def _advance(self, batch: ScheduledBatch, proposal: Proposal, depth, forward: PackedForward,
-                 verified: verification.Verified) -> list[TokenEvent]:
-        """Calibration learns the step's outcomes; the runner keeps the accepted tokens (KV, drafter features,
-        anchors); the scheduler hands them to their requests and finishes those that ended."""
+                 verified: verification.Verified, depth_host: list[int], trace: StepTrace):
+        """Calibration learns the step's outcomes (on the device); the host reads everything it needs of the step
+        in one copy (`_read`); the runner keeps the accepted tokens (KV, drafter features, anchors); the scheduler
+        hands them to their requests and finishes those that ended. Returns the events and what was read."""
         if proposal.kind != "plain":
             self.policy.observe(proposal.conf, depth, verified.num_accepted, proposal.proposed, proposal.lookup)
-        self.runner.advance(forward, batch.slots, verified.num_accepted, verified.emitted, verified.next_token)
-        return self.scheduler.update(batch.requests, verified.emitted.tolist(), verified.num_accepted.tolist(),
-                                     verified.logprobs.tolist(), verified.top)
+        host = self._read(proposal, verified, trace)
+        host["depth"] = depth_host
+        self.runner.advance(forward, batch.slots, verified.num_accepted, verified.emitted, verified.next_token,
+                            num_accepted_host=host["num_accepted"])
+        top = verified.top
+        if host.get("top") is not None:
+            top = verification.top_lists(*host["top"], batch.requests)
+        events = self.scheduler.update(batch.requests, host["emitted"], host["num_accepted"], host["logprobs"], top)
+        return events, host
+
+    def _read(self, proposal: Proposal, verified: verification.Verified, trace: StepTrace) -> dict:
+        """The step's one read of the device: every value the host needs afterwards (accepted counts, emitted tokens
+        and their log-probabilities, top tokens, the trace's drafts and survival, the proposal's counts, D-Cut's
+        plan and per-position acceptance totals) packed into one float64 tensor (exact for token ids, counts and
+        float32 values), copied once, and split into host lists."""
+        rows, span = verified.emitted.shape
+        parts: dict[str, tuple] = {}  # name: (tensor, shape of its host list)
+        parts["num_accepted"] = (verified.num_accepted, (rows,))
+        parts["emitted"] = (verified.emitted, (rows, span))
+        parts["logprobs"] = (verified.logprobs, (rows, span))
+        parts["draft_tokens"] = (proposal.tokens, tuple(proposal.tokens.shape))
+        survival = getattr(trace, "_survival", None)
+        if survival is not None:
+            parts["survival"] = (survival, tuple(survival.shape))
+        if proposal.num_drafted_host is None:
+            parts["num_drafted"] = (proposal.num_drafted, (rows,))
+        if proposal.lookup is not None:
+            parts["lookup"] = (proposal.lookup, (rows,))
+        if verified.top_candidates is not None:
+            values, ids = verified.top_candidates
+            parts["top_values"], parts["top_ids"] = (values, tuple(values.shape)), (ids, tuple(ids.shape))
+        plan = self.policy.last_plan
+        if plan is not None:
+            parts["planned"], parts["planned_rows"] = (plan[0], tuple(plan[0].shape)), (plan[1], tuple(plan[1].shape))
+        if self.policy.mode == "auto":  # what `drafting_may_pay` plans with before any drafted row is remembered
+            totals = self.policy.calibrator.position_totals()
+            parts["position_totals"] = (totals, tuple(totals.shape))
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t, _ in parts.values()]).tolist()  # the one read
+        host, at = {}, 0
+        for name, (tensor, shape) in parts.items():
+            size = 1
+            for n in shape:
+                size *= n
+            values = flat[at : at + size]
+            at += size
+            if tensor.dtype in (torch.long, torch.int32, torch.bool):
+                values = [int(v) for v in values]
+            host[name] = _unflatten(values, shape)
+        if "top_values" in host:
+            host["top"] = (host.pop("top_values"), host.pop("top_ids"))
+        if "planned" in host:
+            self.policy.remember_plan(host.pop("planned"), host.pop("planned_rows"))
+        if "position_totals" in host:
+            self.policy.calibrator.set_position_totals(host.pop("position_totals"))
+        host["num_drafted"] = host.get("num_drafted", proposal.num_drafted_host)
+        return host
 
     def _record(self, trace: StepTrace, batch: ScheduledBatch, proposal: Proposal, depth,
-                verified: verification.Verified, events: list[TokenEvent], start: float) -> None:
-        """The step's trace (`last_step`) and the running totals (`stats`)."""
+                verified: verification.Verified, events: list[TokenEvent], start: float, host: dict) -> None:
+        """The step's trace (`last_step`) and the running totals (`stats`), from what the step read (`_read`)."""
         seconds = clock(self.device) - start
         trace.request_ids = [r.id for r in batch.requests]
-        trace.draft_tokens = proposal.tokens.tolist()
-        trace.verified, trace.accepted = depth.tolist(), verified.num_accepted.tolist()
+        trace.draft_tokens = host["draft_tokens"]
+        trace.verified, trace.accepted = host["depth"], host["num_accepted"]
+        if hasattr(trace, "_survival"):
+            trace.survival = host.get("survival", [])
+            del trace._survival
+        trace.budget = sum(host["depth"])
         trace.prefill = [len(p) for p in batch.prompts] + [0] * batch.num_decode
         trace.choice = {"draft": "speculative", "probe": "probe", "lookup": "lookup"}.get(proposal.kind, "plain")
-        trace.drafted_tokens = int(proposal.num_drafted.sum())
-        trace.verified_tokens = int(depth.sum())
+        trace.drafted_tokens = sum(host["num_drafted"])
+        trace.verified_tokens = sum(host["depth"])
         trace.pruned_tokens = trace.drafted_tokens - trace.verified_tokens
         trace.seconds, trace.draft_seconds = seconds, proposal.draft_seconds
         self.last_step = trace
@@ -373,11 +462,12 @@ class SpeculativeEngine:
         t["decode_row_steps"] += batch.num_decode
         t["drafted"] += trace.drafted_tokens
         t["verified"] += trace.verified_tokens
-        t["accepted"] += int(verified.num_accepted[batch.num_prefill:].sum())
+        accepted = sum(host["num_accepted"][batch.num_prefill:])
+        t["accepted"] += accepted
         t["pruned"] += trace.pruned_tokens
-        t["lookup_rows"] += int(proposal.lookup.sum()) if proposal.lookup is not None else 0
+        t["lookup_rows"] += sum(host["lookup"]) if "lookup" in host else 0
         t["seconds"] += seconds
-        decode_tokens = int(verified.num_accepted[batch.num_prefill:].sum()) + batch.num_decode
+        decode_tokens = accepted + batch.num_decode
         # the measured kind: what the step cost is what it did (a lookup step that verified nothing was plain)
         kind = {"draft": True, "probe": dcut.PROBE}.get(proposal.kind, dcut.LOOKUP if trace.verified_tokens else False)
         self.policy.observe_step(kind, batch.num_prefill, batch.num_decode, decode_tokens, seconds,
@@ -433,10 +523,10 @@ class SpeculativeEngine:
         if accept is None:
             return torch.zeros_like(num_drafted)
         drafted, full = (True, None) if proposal is None else (proposal.drafted, proposal.full_rows)
+        # a bound on the tokens drafted, from shapes alone (`select` would read their sum)
         depth, survival = self.policy.select(accept, num_drafted, n_dec, sampled, self.plan_acceptance, drafted,
-                                             full)
-        trace.survival = survival.tolist()
-        trace.budget = int(depth.sum())
+                                             full, max_extra=accept.shape[0] * accept.shape[1])
+        trace._survival = survival  # read with the step's results (`_read`)
         return depth
 
 
@@ -445,11 +535,21 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(n, *x.shape[1:]), x])
 
 
-def _scatter_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`x` (one entry per True of `rows [B]`) placed at those rows of `B` rows of zeros."""
-    out = x.new_zeros(len(rows), *x.shape[1:])
+def _scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """`x` (one entry per index in `rows`) placed at those rows of `n` rows of zeros."""
+    out = x.new_zeros(n, *x.shape[1:])
     out[rows] = x
     return out
+
+
+def _unflatten(values: list, shape: tuple) -> list:
+    """The flat host list `values` as nested lists of `shape` (as `tensor.tolist()` gives them)."""
+    if len(shape) <= 1:
+        return values
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    return [_unflatten(values[i * inner : (i + 1) * inner], shape[1:]) for i in range(shape[0])]
 
 
 def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: int = 64, verify="auto",

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from angelspec_hf.modeling.candidate_generator import ngram_continuation
 from angelspec_hf.modeling.draft_policy import (  # one key for every cost model, one measured-rate rule
     MeasuredRates,
     OnlineLeastSquares,
@@ -28,6 +27,8 @@ from angelspec_hf.modeling.draft_policy import (  # one key for every cost model
 )
 
 from . import kernels
+from .ngram import NgramIndex
+from .transfer import upload
 
 
 class AcceptanceCalibrator:
@@ -52,6 +53,24 @@ class AcceptanceCalibrator:
         self.observed = torch.zeros(cells, dtype=torch.float64)  # real observations (no prior)
         self.observed_accepted = torch.zeros(cells, dtype=torch.float64)
         self.confidence_sum = torch.zeros(cells, dtype=torch.float64)
+        self._rate: torch.Tensor | None = None  # accepted / trials as float32, until the next update
+        self._position_rates: list[float] | None = None  # `position_rates()`, until the next update
+
+    TABLES = ("accepted", "trials", "observed", "observed_accepted", "confidence_sum")
+
+    def to(self, device) -> AcceptanceCalibrator:
+        """Keep the tables on `device` (the engine's: they are updated there in place, and read there by every
+        step, so no step copies them between host and device)."""
+        for name in self.TABLES:
+            setattr(self, name, getattr(self, name).to(device))
+        self._rate = None
+        return self
+
+    def rates(self) -> torch.Tensor:
+        """`[num_positions * num_bins]` float32 calibrated acceptance per cell (on the tables' device)."""
+        if self._rate is None:
+            self._rate = (self.accepted / self.trials).float()
+        return self._rate
 
     def _cells(self, confidence: torch.Tensor) -> torch.Tensor:
         """Flat cell of every entry of `confidence [..., K]`: its bin at its draft position (the last dimension)."""
@@ -61,35 +80,51 @@ class AcceptanceCalibrator:
 
     def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
         """Calibrated acceptance probabilities, same shape as `confidence [..., K]` (K: draft positions)."""
-        rate = (self.accepted / self.trials).to(confidence.device, torch.float32)
-        return rate[self._cells(confidence)]
+        return _on(self.rates(), confidence.device)[self._cells(confidence)]
 
     def at(self, confidence: torch.Tensor, position: int) -> torch.Tensor:
         """Calibrated acceptance of confidences `[B]` all at draft position `position`."""
         cell = min(position, self.num_positions - 1) * self.num_bins
         bins = (confidence.float().nan_to_num(0.0).clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
-        return (self.accepted / self.trials).to(confidence.device, torch.float32)[cell + bins]
+        return _on(self.rates(), confidence.device)[cell + bins]
 
-    def update(self, confidence: torch.Tensor, verified: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """confidence `[B, K]`; verified `[B]` draft tokens verified per request; num_accepted `[B]` accepted."""
+    def update(self, confidence: torch.Tensor, verified: torch.Tensor, num_accepted: torch.Tensor,
+               rows: torch.Tensor | None = None) -> None:
+        """confidence `[B, K]`; verified `[B]` draft tokens verified per request; num_accepted `[B]` accepted;
+        `rows [B]` (bool): the requests to learn from (None: all). In place on the tables' device, without reading
+        anything back: every entry is added, weighted 1 where observed and 0 elsewhere."""
+        dev = self.trials.device
+        confidence, verified, num_accepted = (_on(x, dev) for x in (confidence, verified, num_accepted))
         k = confidence.shape[1]
-        j = torch.arange(k, device=confidence.device)[None, :]
+        j = torch.arange(k, device=dev)[None, :]
         observed = (j < verified[:, None]) & (j <= num_accepted[:, None])  # tested, predecessors all accepted
-        accepted = j < num_accepted[:, None]
-        cells = self._cells(confidence)[observed].cpu()
-        outcome = accepted[observed].double().cpu()
-        conf = confidence[observed].double().cpu()
-        for target, values in ((self.trials, torch.ones_like(outcome)), (self.accepted, outcome),
-                               (self.observed, torch.ones_like(outcome)), (self.observed_accepted, outcome),
-                               (self.confidence_sum, conf)):
+        if rows is not None:
+            observed &= _on(rows, dev)[:, None]
+        weight = observed.double().reshape(-1)
+        outcome = ((j < num_accepted[:, None]) & observed).double().reshape(-1)
+        conf = torch.where(observed, confidence.double(), 0.0).reshape(-1)
+        cells = self._cells(confidence).expand_as(confidence).reshape(-1)
+        for target, values in ((self.trials, weight), (self.accepted, outcome), (self.observed, weight),
+                               (self.observed_accepted, outcome), (self.confidence_sum, conf)):
             target.index_add_(0, cells, values)
+        self._rate, self._position_rates = None, None
+
+    def position_totals(self) -> torch.Tensor:
+        """`[2, num_positions]`: accepted and trials summed per draft position (on the tables' device)."""
+        return torch.stack([self.accepted.reshape(self.num_positions, self.num_bins).sum(1),
+                            self.trials.reshape(self.num_positions, self.num_bins).sum(1)])
+
+    def set_position_totals(self, totals: list[list[float]]) -> None:
+        """`position_totals()` as the host read them (with a step's results), so `position_rates` needs no read."""
+        self._position_rates = [a / t for a, t in zip(*totals)]
 
     def position_rates(self) -> list[float]:
         """Acceptance per draft position over every confidence (the prior included), as Python floats: what a step
         may expect before anything is drafted."""
-        accepted = self.accepted.reshape(self.num_positions, self.num_bins).sum(1)
-        trials = self.trials.reshape(self.num_positions, self.num_bins).sum(1)
-        return (accepted / trials).tolist()
+        if self._position_rates is None:
+            accepted, trials = self.position_totals()
+            self._position_rates = (accepted / trials).tolist()
+        return list(self._position_rates)
 
     def _per_bin(self, cells: torch.Tensor) -> torch.Tensor:
         return cells.reshape(self.num_positions, self.num_bins).sum(0)
@@ -234,6 +269,12 @@ class CostModel:
         return cls(tuple(data["verify_coef"]), tuple(data["draft_coef"]), data.get("samples", []), data.get("key", ""))
 
 
+def _on(x, device) -> torch.Tensor:
+    """`x` as a tensor on `device` (copied only if it is elsewhere)."""
+    x = torch.as_tensor(x)
+    return x if x.device == torch.device(device) else x.to(device)
+
+
 def _fit(features: list[list[float]], times: list[float]) -> tuple[float, ...]:
     x = torch.tensor(features, dtype=torch.float64)
     y = torch.tensor(times, dtype=torch.float64)[:, None]
@@ -329,7 +370,7 @@ def parse_verify(verify) -> tuple[str, int | None]:
 # lookup replaces the block — sees a sampled request through its first position only (`plan_acceptance`), since
 # the confidences after it follow its drawn tokens; a sampled request then verifies every position whose own
 # survival clears the threshold, which reads d_<k alone. Ranking by q(d_k) — the probability of the token actually
-# drawn — made verification favour tokens the drafter over-proposes and skewed the output (issue 11); a drafting
+# drawn — made verification favour tokens the drafter over-proposes and skewed the output; a drafting
 # width read from the sampled confidences let position k's verification follow d_k through the budget (found in
 # review). Since no plan reads another request's draws either, requests that share a seed, and with it
 # their random streams, cannot steer each other's verification. Greedy requests have no randomness to bias and keep
@@ -432,6 +473,9 @@ class DCutPolicy:
         self._backoffs: dict[tuple[str, int], BackOff] = {}  # ("drafter" | "lookup", batch-size bucket)
         self.measured = MeasuredRates() if measure else None
         self._recent: torch.Tensor | None = None  # [M, K] planned survival of the last drafted rows (`remember`)
+        # the last "auto" selection's planned survival `[B, K]` and its drafter's rows `[B]`, on the device: the
+        # engine remembers them from its step's one read (`remember_plan`), else they are read when next needed
+        self.last_plan: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def backoff(self, option: str, n_dec: int) -> BackOff:
         """The back-off of `option` ("drafter" or "lookup") at the batch size of `n_dec` decoding rows (the buckets of
@@ -481,7 +525,11 @@ class DCutPolicy:
     def probe_rows(self, pending: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
         """The decoding rows a probe drafts (indices, ascending): of those with a token left to draft (`remaining
         [n_dec]` > 1), the `PROBE_ROWS` with the fewest pending features `[n_dec]` (the cheapest to catch up; ties by
-        row)."""
+        row). Tensors in, a tensor out; host lists in (as the engine has them), a list out."""
+        if not torch.is_tensor(pending):
+            top = max(pending, default=0) + 1
+            key = [p + (r <= 1) * top for p, r in zip(pending, remaining)]
+            return sorted(sorted(range(len(key)), key=key.__getitem__)[: self.PROBE_ROWS])
         key = pending + (remaining <= 1).long() * (int(pending.max()) + 1)
         order = torch.sort(key, stable=True).indices[: self.PROBE_ROWS]
         return order.sort().values
@@ -540,8 +588,21 @@ class DCutPolicy:
             survival = torch.cat([pad(self._recent), pad(survival)])
         self._recent = survival[-self.RECENT_ROWS:]
 
+    def remember_plan(self, planned: list[list[float]] | None = None, rows: list[bool] | None = None) -> None:
+        """`remember` the drafter's rows of `last_plan`, given as host lists (`planned [B][K]`, `rows [B]`; None:
+        read them from the device)."""
+        if self.last_plan is None:
+            return
+        if planned is None:
+            planned, rows = (x.tolist() for x in self.last_plan)
+        self.last_plan = None
+        chosen = [p for p, r in zip(planned, rows) if r]
+        if chosen:
+            self.remember(torch.tensor(chosen, dtype=torch.float32))
+
     def _recent_survival(self, width: int) -> torch.Tensor:
         """`[M, width]`: the remembered rows, or one row of the position rates' survival while there are none."""
+        self.remember_plan()
         if self._recent is None or not len(self._recent):
             rates = self.calibrator.position_rates()
             return torch.tensor([rates[min(d, len(rates) - 1)] for d in range(width)]).cumprod(0)[None]
@@ -613,18 +674,22 @@ class DCutPolicy:
         drafter's as `plan` plans it: from its first position's confidence). `drafted [B]` (bool): the rows the
         drafter drafted (None: all); the others carry their lookup or nothing."""
         width, dev = tokens.shape[1], tokens.device
-        found = [ngram_continuation(torch.tensor(r.prompt + r.generated), self.lookup_max_ngram,
-                                    max(0, min(span, left - 1))) for r, left in zip(requests, remaining.tolist())]
-        lengths = torch.tensor([len(cont) for cont, _ in found], device=dev)
+        if torch.is_tensor(remaining):
+            remaining = remaining.tolist()
+        found = [NgramIndex.of(r, self.lookup_max_ngram).continuation(max(0, min(span, left - 1)))
+                 for r, left in zip(requests, remaining)]
+        lengths_host = [len(cont) for cont, _ in found]
+        wide = max(width, max(lengths_host, default=0))
+        # every row's lookup, its length and matched n-gram in one copy to the device
+        packed = upload([cont + [0] * (wide - len(cont)) + [len(cont), n] for cont, n in found], dev).reshape(
+            len(requests), wide + 2)
+        lengths = packed[:, wide]
         own = torch.full_like(lengths, width) if drafted is None else torch.where(drafted, width, 0)
-        if not bool((lengths > 0).any()):
+        if not any(lengths_host):
             return tokens, probs, conf, torch.zeros_like(lengths, dtype=torch.bool), own
-        wide = max(width, int(lengths.max()))
-        l_tokens = torch.zeros(len(requests), wide, dtype=torch.long, device=dev)
-        for i, (cont, _) in enumerate(found):
-            l_tokens[i, : len(cont)] = torch.tensor(cont, dtype=torch.long, device=dev)
+        l_tokens = packed[:, :wide]
         valid = torch.arange(wide, device=dev)[None, :] < lengths[:, None]
-        matched = torch.tensor([n for _, n in found], device=dev) / self.lookup_max_ngram
+        matched = packed[:, wide + 1] / self.lookup_max_ngram
         l_conf = torch.where(valid, matched[:, None].expand(-1, wide), torch.zeros((), device=dev))
         l_expected = (torch.cumprod(self.lookup_calibrator(l_conf), 1) * valid).sum(1)
         d_expected = torch.zeros(len(requests), device=dev)
@@ -651,16 +716,17 @@ class DCutPolicy:
         if conf is None or conf.shape[1] == 0:
             return None
         accept = self.calibrator(conf)
-        if lookup is not None and bool(lookup.any()):
+        if lookup is not None:
             accept = torch.where(lookup[:, None], self.lookup_calibrator(conf), accept)
         return accept
 
     def select(self, accept, num_drafted, n_dec: int, sampled, plan=plan_acceptance, drafted: bool = True,
-               drafter_rows=None):
+               drafter_rows=None, max_extra: int | None = None):
         """How many draft tokens each row verifies, `depth [B]`, and every position's survival `[B, K]`, for a step
         with `n_dec` rows decoding;
         `drafted`: the drafter ran (False: a lookup step, whose proposals cost nothing to make); `drafter_rows [B]`
-        (bool): rows carrying the drafter's whole block, which "auto" remembers for its next plans."""
+        (bool): rows carrying the drafter's whole block, which "auto" remembers for its next plans (`last_plan`);
+        `max_extra`: a bound on `num_drafted.sum()` known to the host (None: it is read)."""
         if self.mode == "depth":
             return num_drafted.clamp(max=self.mode_value), torch.cumprod(accept, 1)
         if self.mode == "full":
@@ -668,12 +734,27 @@ class DCutPolicy:
         if self.mode == "budget":  # sampled rows ranked as planned: their later keys follow their own draws
             depth, survival, _ = kernels.dcut_select(plan(accept, sampled), num_drafted, self.mode_value)
             return depth, survival
-        return self._select_auto(accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows)
+        return self._select_auto(accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows, max_extra)
 
-    def _select_auto(self, accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows):
+    def depth_on_host(self, num_drafted: list[int] | None, has_accept: bool = True) -> list[int] | None:
+        """`select`'s depths where they follow from the host's `num_drafted` alone ("full", "depth"; nothing
+        proposed), else None (a budget, and "auto", choose on the device)."""
+        if num_drafted is None:
+            return None
+        if not has_accept:
+            return [0] * len(num_drafted)
+        if self.mode == "depth":
+            return [min(n, self.mode_value) for n in num_drafted]
+        if self.mode == "full":
+            return list(num_drafted)
+        return None
+
+    def _select_auto(self, accept, num_drafted, n_dec, sampled, plan, drafted, drafter_rows, max_extra=None):
         """The budget that maximises expected tokens per second under the cost model, planned with `plan`; a sampled
-        row verifies every position whose survival clears the plan's lowest chosen survival."""
-        max_extra = int(num_drafted.sum())
+        row verifies every position whose survival clears the plan's lowest chosen survival. A larger `max_extra`
+        than the tokens drafted gives the same depths (the selection never passes the valid tokens)."""
+        if max_extra is None:
+            max_extra = int(num_drafted.sum())
         costs = self.cost_model.step_costs(n_dec, n_dec, max_extra, drafted=drafted, device=accept.device)
         depth, planned, _ = kernels.dcut_select(plan(accept, sampled), num_drafted, max_extra, costs, float(n_dec))
         ar = torch.arange(accept.shape[1], device=accept.device)[None, :]
@@ -682,8 +763,9 @@ class DCutPolicy:
         # sampled rows: every position whose survival clears the plan's lowest chosen survival (none: +inf)
         threshold = torch.where(ar < depth[:, None], planned, torch.full_like(planned, float("inf"))).amin()
         depth = torch.where(sampled, ((survival >= threshold) & valid).sum(1), depth)
-        if drafted and drafter_rows is not None and bool(drafter_rows.any()):
-            self.remember(planned[drafter_rows])
+        self.remember_plan()  # an earlier plan nobody took up
+        if drafted and drafter_rows is not None:
+            self.last_plan = (planned, drafter_rows)
         return depth, survival
 
     # ---- after verification ------------------------------------------------------------------------------------------
@@ -692,5 +774,5 @@ class DCutPolicy:
         of what it verified (the drafter's block, or an n-gram lookup where `lookup [B]`)."""
         for calibrator, chosen in ((self.calibrator, drafted_rows if lookup is None else drafted_rows & ~lookup),
                                    (self.lookup_calibrator, None if lookup is None else drafted_rows & lookup)):
-            if chosen is not None and bool(chosen.any()):
-                calibrator.update(conf[chosen], depth[chosen], num_accepted[chosen])
+            if chosen is not None:  # every row, weighted by `chosen`: nothing is read back
+                calibrator.update(conf, depth, num_accepted, chosen)

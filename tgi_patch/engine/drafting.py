@@ -38,12 +38,17 @@ class BatchDrafter:
         self.pool.release(slot)
 
     @torch.no_grad()
-    def draft(self, slots, features, next_ids, new, anchors, num_tokens, select, keep_going=None):
+    def draft(self, slots, features, next_ids, new, anchors, num_tokens, select, keep_going=None, *,
+              slots_host: list[int] | None = None, new_host: list[int] | None = None):
         """slots `[B]`; features `[B, n_max, F]` (padded; `new [B]` valid per row) of the tokens accepted since the
         last call; next_ids `[B, n_max]` the token after each of them (MTP's input); anchors `[B]` the last accepted
-        token (not yet seen by the target). Returns tokens `[B, K]`, probs `[B, K, V]` or None, confidence `[B, K]`."""
+        token (not yet seen by the target); `slots_host` / `new_host`: `slots` and `new` as host lists (else read).
+        Returns tokens `[B, K]`, probs `[B, K, V]` or None, confidence `[B, K]`."""
+        slots_host = slots.tolist() if slots_host is None else slots_host
+        new_host = new.tolist() if new_host is None else new_host
         context = self.pool.lengths[slots] + new  # what each sequence keeps: its accepted context
+        context_host = [self.pool.held[s] + n for s, n in zip(slots_host, new_host)]
         out = self.drafter.draft(features, next_ids, new, anchors, num_tokens, self.embed, self.lm_head, select,
-                                 keep_going, cache=PoolDraftCache(self.pool, slots))
-        self.pool.lengths[slots] = context  # chained (speculative) entries are dropped
+                                 keep_going, cache=PoolDraftCache(self.pool, slots, slots_host, new, new_host))
+        self.pool.set_lengths(slots_host, context_host, slots, context)  # chained (speculative) entries are dropped
         return out

@@ -27,6 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from angelspec_hf.modeling.drafter_utils import additive_mask
 
+from .transfer import upload
+
 RAGGED_ATTENTION = "angelspec_ragged"
 
 
@@ -60,7 +62,11 @@ class PagedKVPool:
         self.free_pages = list(range(num_pages - 1, 0, -1))
         self.page_table = torch.zeros(max_seqs, 4, dtype=torch.long, device=device)
         self.num_pages = [0] * max_seqs  # pages owned per sequence slot
+        self.owned: list[list[int]] = [[] for _ in range(max_seqs)]  # `page_table`'s rows, on the host
         self.lengths = torch.zeros(max_seqs, dtype=torch.long, device=device)  # valid tokens per slot
+        # the same lengths as host integers: allocation and the shapes of a step are host work, and the host knows
+        # every length (from what it scheduled and the step's one read-back), so it never reads `lengths` to plan
+        self.held = [0] * max_seqs
 
     @property
     def tokens_allocated(self) -> int:
@@ -116,11 +122,25 @@ class PagedKVPool:
             setattr(self, name, grown)
         self.free_pages = list(range(new - 1, old - 1, -1)) + self.free_pages
 
-    def reserve(self, slots: torch.Tensor, total_lengths: torch.Tensor) -> None:
+    def set_lengths(self, slots: list[int], lengths: list[int], slots_t: torch.Tensor | None = None,
+                    lengths_t: torch.Tensor | None = None) -> None:
+        """Set the valid tokens of `slots` to `lengths` (host lists), on the device too (from `slots_t` /
+        `lengths_t` where the caller has them there already, else uploaded)."""
+        for s, n in zip(slots, lengths):
+            self.held[s] = n
+        dev = self.lengths.device
+        self.lengths[slots_t if slots_t is not None else upload(slots, dev)] = (
+            lengths_t if lengths_t is not None else upload(lengths, dev))
+
+    def reserve(self, slots, total_lengths) -> None:
         """Make sure each slot owns pages for `total_lengths` tokens (only the few slots crossing a page boundary
-        this step are touched)."""
-        need = ((total_lengths + self.page_size - 1) // self.page_size).tolist()
-        short = [(s, n) for s, n in zip(slots.tolist(), need) if n > self.num_pages[s]]
+        this step are touched). Host lists (a tensor is read: only callers outside a step pass them)."""
+        if torch.is_tensor(slots):
+            slots = slots.tolist()
+        if torch.is_tensor(total_lengths):
+            total_lengths = total_lengths.tolist()
+        size = self.page_size
+        short = [(s, -(-t // size)) for s, t in zip(slots, total_lengths) if -(-t // size) > self.num_pages[s]]
         if not short:
             return
         missing = sum(n - self.num_pages[s] for s, n in short)
@@ -130,16 +150,24 @@ class PagedKVPool:
         if widest > self.page_table.shape[1]:
             extra = max(widest, 2 * self.page_table.shape[1]) - self.page_table.shape[1]
             self.page_table = torch.cat([self.page_table, self.page_table.new_zeros(len(self.num_pages), extra)], 1)
+        rows, cols, pages = [], [], []
         for s, n in short:
-            pages = [self.free_pages.pop() for _ in range(n - self.num_pages[s])]
-            self.page_table[s, self.num_pages[s] : n] = torch.tensor(pages, device=self.page_table.device)
+            for c in range(self.num_pages[s], n):
+                rows.append(s)
+                cols.append(c)
+                pages.append(self.free_pages.pop())
+                self.owned[s].append(pages[-1])
             self.num_pages[s] = n
+        dev = self.page_table.device
+        self.page_table[upload(rows, dev), upload(cols, dev)] = upload(pages, dev)  # one write for every new page
 
     def release(self, slot: int) -> None:
-        self.free_pages.extend(self.page_table[slot, : self.num_pages[slot]].tolist())
+        self.free_pages.extend(self.owned[slot])
+        self.owned[slot] = []
         self.page_table[slot] = 0
         self.num_pages[slot] = 0
         self.lengths[slot] = 0
+        self.held[slot] = 0
 
     def slot_index(self, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Flat pool indices of `positions` (any shape, first dim = sequences) of `slots`; invalid → dummy slot 0."""
@@ -166,29 +194,52 @@ class RaggedStep:
     token_row: torch.Tensor | None = None  # [T]
     token_col: torch.Tensor | None = None  # [T]
     _groups: list | None = None
+    # `slots`, `held` and `new` as host integers: every shape of the step comes from them
+    slots_host: list[int] | None = None
+    held_host: list[int] | None = None
+    new_host: list[int] | None = None
 
     @classmethod
-    def build(cls, pool: PagedKVPool, slots, new, packed: bool) -> RaggedStep:
+    def build(cls, pool: PagedKVPool, slots, new, packed: bool, slots_host: list[int] | None = None,
+              new_host: list[int] | None = None) -> RaggedStep:
+        """The step adding `new [B]` tokens to each of `slots [B]`. `slots_host` / `new_host`: the same as host
+        lists, from which pages are reserved and every shape is taken without reading the device (else they are
+        read: only callers outside a step omit them)."""
+        if slots_host is None:
+            slots_host = slots.tolist()
+        if new_host is None:
+            new_host = new.tolist()
+        held_host = [pool.held[s] for s in slots_host]
+        total_host = [h + n for h, n in zip(held_host, new_host)]
+        pool.reserve(slots_host, total_host)
+        dev = slots.device
         held = pool.lengths[slots]
         total = held + new
-        pool.reserve(slots, total)
-        kv_max = int(total.max()) if len(slots) else 0
-        key_pos = torch.arange(kv_max, device=slots.device).expand(len(slots), -1)
+        kv_max = max(total_host, default=0)
+        key_pos = torch.arange(kv_max, device=dev).expand(len(slots_host), -1)
         key_valid = key_pos < total[:, None]
         gather_index = pool.slot_index(slots, key_pos, key_valid)
-        n_max = int(new.max()) if len(slots) else 0
-        cols = torch.arange(n_max, device=slots.device).expand(len(slots), -1)
+        n_max = max(new_host, default=0)
+        cols = torch.arange(n_max, device=dev).expand(len(slots_host), -1)
         new_valid = cols < new[:, None]
         write_pad = pool.slot_index(slots, held[:, None] + cols, new_valid)
-        step = cls(pool, slots, held, new, write_pad, gather_index, key_valid)
-        if packed:
-            step.token_row, step.token_col = new_valid.nonzero(as_tuple=True)  # row-major = packed order
+        step = cls(pool, slots, held, new, write_pad, gather_index, key_valid, slots_host=slots_host,
+                   held_host=held_host, new_host=new_host)
+        if packed:  # row-major = packed order
+            rows = [r for r, n in enumerate(new_host) for _ in range(n)]
+            step.token_row = upload(rows, dev)
+            step.token_col = upload([c for n in new_host for c in range(n)], dev)
             step.write_index = write_pad[step.token_row, step.token_col]
         return step
 
+    @property
+    def num_tokens(self) -> int:
+        """The new tokens of every sequence, together."""
+        return sum(self.new_host)
+
     def query_positions(self) -> torch.Tensor:
         """`[B, n_max]` absolute positions of the new tokens (padding rows repeat valid ones harmlessly)."""
-        n_max = int(self.new.max()) if len(self.slots) else 0
+        n_max = max(self.new_host, default=0)
         return self.held[:, None] + torch.arange(n_max, device=self.slots.device)[None, :]
 
     def causal_mask(self, dtype) -> torch.Tensor:
@@ -204,28 +255,34 @@ class RaggedStep:
         stays under 2x), with what attention needs per group; built once per step, shared by every layer."""
         if self._groups is None:
             dev = self.slots.device
-            extra = (self.new - 1).clamp(min=0).double()  # bucket: the bit length of new - 1 (1 | 2 | 3-4 | 5-8 ...)
-            bucket = torch.where(extra > 0, extra.clamp(min=1).log2().floor() + 1, torch.zeros_like(extra)).long()
-            total = self.held + self.new
-            token_bucket = bucket[self.token_row]
+            # bucket: the bit length of new - 1 (1 | 2 | 3-4 | 5-8 ...), from the host's counts
+            bucket = [max(n - 1, 0).bit_length() for n in self.new_host]
             groups = []
-            for b in torch.unique(bucket).tolist():
-                rows = (bucket == b).nonzero().flatten()
-                tokens = (token_bucket == b).nonzero().flatten()
-                rank = torch.empty(len(self.slots), dtype=torch.long, device=dev)
-                rank[rows] = torch.arange(len(rows), device=dev)
-                kv_max, n_max = int(total[rows].max()), int(self.new[rows].max())
+            for b in sorted(set(bucket)):
+                rows_host = [r for r, rb in enumerate(bucket) if rb == b]
+                tokens_host, row_host, col_host, start, rank = [], [], [], 0, 0
+                for r, n in enumerate(self.new_host):  # packed order: row-major
+                    if bucket[r] == b:
+                        tokens_host += range(start, start + n)
+                        row_host += [rank] * n  # the row's index within the group
+                        col_host += range(n)
+                        rank += 1
+                    start += n
+                rows = upload(rows_host, dev)
+                kv_max = max(self.held_host[r] + self.new_host[r] for r in rows_host)
+                n_max = max(self.new_host[r] for r in rows_host)
                 key_pos = torch.arange(kv_max, device=dev)
                 query_pos = self.held[rows, None] + torch.arange(n_max, device=dev)[None, :]
                 allowed = self.key_valid[rows, None, :kv_max] & (key_pos[None, None, :] <= query_pos[:, :, None])
-                groups.append(AttentionGroup(tokens, rank[self.token_row[tokens]], self.token_col[tokens], len(rows),
-                                             n_max, self.gather_index[rows, :kv_max],
+                groups.append(AttentionGroup(upload(tokens_host, dev), upload(row_host, dev), upload(col_host, dev),
+                                             len(rows_host), n_max, self.gather_index[rows, :kv_max],
                                              _additive(allowed[:, None], dtype)))
             self._groups = groups
         return self._groups
 
     def commit(self) -> None:
-        self.pool.lengths[self.slots] = self.held + self.new
+        self.pool.set_lengths(self.slots_host, [h + n for h, n in zip(self.held_host, self.new_host)], self.slots,
+                              self.held + self.new)
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values `[B, Hkv, kv_max, D]` of every held + new token of each sequence."""
@@ -319,13 +376,20 @@ class PoolDraftCache:
     `prepare` is one padded forward's `RaggedStep`. Its lengths are committed as it is built (its write and gather
     indices are fixed then), so the caller rolls back whatever drafting should not keep."""
 
-    def __init__(self, pool: PagedKVPool, slots: torch.Tensor):
+    def __init__(self, pool: PagedKVPool, slots: torch.Tensor, slots_host: list[int] | None = None,
+                 new: torch.Tensor | None = None, new_host: list[int] | None = None):
         self.pool, self.slots = pool, slots
+        self.slots_host = slots_host if slots_host is not None else slots.tolist()
+        self._known = (new, new_host)  # the counts `new` the caller passes first, and their host values
 
     def prepare(self, num_new: torch.Tensor, block: int, dtype):
         """`(PoolCache, position_ids [B, n_max + block], additive mask)`: causal over each sequence's keys for the
-        new tokens; with a `block`, its rows see every valid key and the whole block, which is not stored."""
-        step = RaggedStep.build(self.pool, self.slots, num_new, packed=False)
+        new tokens; with a `block`, its rows see every valid key and the whole block, which is not stored. The
+        counts are read from the device unless they are the `new` given with their host values (a chained MTP
+        step's ones are read: one read per chained position)."""
+        new_host = self._known[1] if num_new is self._known[0] else None
+        step = RaggedStep.build(self.pool, self.slots, num_new, packed=False, slots_host=self.slots_host,
+                                new_host=new_host)
         step.commit()
         cache = PoolCache(step, transient=block)
         positions = step.query_positions()

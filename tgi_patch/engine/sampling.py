@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from .transfer import upload
+
 # streams of the counter-based generator (at most 4: the stream is the low two bits of a position's key)
 DRAFT, ACCEPT, RESAMPLE, GUMBEL = 0, 1, 2, 3
 
@@ -142,22 +144,25 @@ def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(~(x > -float("inf")).any(-1, keepdim=True), 0.0)
 
 
-def process_logits(logits, temperature, top_k, top_p) -> torch.Tensor:
+def process_logits(logits, temperature, top_k, top_p, any_top_k: bool | None = None,
+                   any_top_p: bool | None = None) -> torch.Tensor:
     """Sampling probabilities `[N, V]` from logits `[N, V]` with per-row temperature `[N]` (> 0), top-k `[N]`
     (0 = off) and top-p `[N]` (1 = off), applied in transformers' order (temperature, top-k, top-p). Defined for any
     input: logits through `finite_logits`, temperatures clamped to the normal float32 range (one that overflowed
-    float32 samples as its largest value: uniformly over the tokens with finite logits), so no row is ever NaN."""
+    float32 samples as its largest value: uniformly over the tokens with finite logits), so no row is ever NaN.
+    `any_top_k` / `any_top_p`: whether some row uses top-k / top-p, where the caller knows it (else read from the
+    tensors)."""
     x = finite_logits(logits)
     finfo = torch.finfo(torch.float32)
     t = torch.nan_to_num(temperature.float(), nan=1.0).clamp(min=finfo.tiny, max=finfo.max)
     # shifted so the top logit is 0 before dividing: a tiny temperature then gives -inf / 0 (the argmax), not inf - inf
     x = (x - x.max(dim=-1, keepdim=True).values) / t[:, None]
-    if bool((top_k > 0).any()):
+    if any_top_k if any_top_k is not None else bool((top_k > 0).any()):
         k = top_k.clamp(min=1, max=x.shape[-1])
         kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         kth = torch.where((top_k > 0)[:, None], kth, torch.full_like(kth, -float("inf")))
         x = x.masked_fill(x < kth, -float("inf"))
-    if bool((top_p < 1).any()):
+    if any_top_p if any_top_p is not None else bool((top_p < 1).any()):
         probs, order = torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True)
         before = probs.cumsum(-1) - probs  # mass strictly above each token
         drop_sorted = (before >= top_p[:, None].float()) & (torch.arange(x.shape[-1], device=x.device) > 0)
@@ -189,7 +194,7 @@ class PenaltyState:
 
     def add(self, tokens: list[int]) -> None:
         if tokens:
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.seen.device)
+            ids = upload(tokens, self.seen.device)
             self.seen[ids] = True
             self.counts.index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
 

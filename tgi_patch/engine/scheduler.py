@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .transfer import upload
 from .request import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Request, TokenEvent
 
 
@@ -29,6 +30,10 @@ class ScheduledBatch:
     # [B] bool: the request is rejection-sampled (sampled without a seed), so D-Cut plans it from its first draft
     # position only (`dcut.py`); greedy and seeded (`Request.coupled`) requests are verified by exact match
     sampled: torch.Tensor
+    # the same as host lists: what the engine plans with (it never reads the tensors back)
+    slots_host: list[int] = field(default_factory=list)
+    remaining_host: list[int] = field(default_factory=list)
+    sampled_host: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -107,10 +112,11 @@ class Scheduler:
         decode = [s for s in slots_all if self.running[s].prefilled]
         order = prefill + decode
         requests = [self.running[s] for s in order]
-        slots = torch.tensor(order, dtype=torch.long, device=device)
-        remaining = torch.tensor([r.params.max_new_tokens - len(r.generated) for r in requests], device=device)
-        sampled = torch.tensor([r.params.do_sample and not r.coupled for r in requests], device=device)
-        return ScheduledBatch(requests, slots, len(prefill), remaining, sampled)
+        remaining = [r.params.max_new_tokens - len(r.generated) for r in requests]
+        sampled = [r.params.do_sample and not r.coupled for r in requests]
+        packed = upload([order, remaining, sampled], device)  # one copy to the device
+        return ScheduledBatch(requests, packed[0], len(prefill), packed[1], packed[2].bool(), order, remaining,
+                              sampled)
 
     def fail(self, request: Request, error: str) -> TokenEvent:
         """End `request` on its own error (its slot freed, unless it already was): the event that says so."""

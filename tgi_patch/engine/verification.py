@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from .transfer import upload
 from .sampling import (ACCEPT, DRAFT, RESAMPLE, apply_penalties, gumbel_scores, process_logits, sample_from,
                        uniforms)
 
@@ -27,11 +28,41 @@ from .sampling import (ACCEPT, DRAFT, RESAMPLE, apply_penalties, gumbel_scores, 
 def process_requests(logits, requests, span: int) -> torch.Tensor:
     """Sampling probabilities `[N, V]` of `logits [N, V]` holding `span` consecutive rows per request, each processed
     with its request's temperature, top-k and top-p (a greedy request's at temperature 1)."""
-    temperature = torch.tensor([r.params.temperature if r.params.do_sample else 1.0 for r in requests],
-                               device=logits.device).repeat_interleave(span)
-    top_k = torch.tensor([r.params.top_k for r in requests], device=logits.device).repeat_interleave(span)
-    top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device).repeat_interleave(span)
-    return process_logits(logits, temperature, top_k, top_p)
+    temperature, top_k, top_p, any_top_k, any_top_p = request_params(requests, logits.device)
+    return process_logits(logits, temperature.repeat_interleave(span), top_k.repeat_interleave(span),
+                          top_p.repeat_interleave(span), any_top_k, any_top_p)
+
+
+_PARAMS: dict = {}  # id(requests) -> (requests, their ids, device, params): the last few lists asked for
+
+
+def request_params(requests, device) -> tuple:
+    """`(temperature [n] float32, top_k [n] int64, top_p [n] float32, any top-k, any top-p)` of `requests` (a
+    greedy request's temperature is 1) on `device`: one copy to the device, kept while the same list of requests is
+    asked again (every drafting position of a step asks for the same)."""
+    key, ids = id(requests), tuple(id(r) for r in requests)
+    cached = _PARAMS.get(key)
+    if cached is not None and cached[0] is requests and cached[1] == ids and cached[2] == device:
+        return cached[3]
+    # one float64 copy: the float32 of a float is the float32 of its float64; top-k is clamped to the vocabulary
+    # where it is used, so capping it at 2**52 (exact in float64) changes nothing
+    packed = upload([[r.params.temperature if r.params.do_sample else 1.0 for r in requests],
+                     [min(r.params.top_k, 1 << 52) for r in requests], [r.params.top_p for r in requests]],
+                    device, torch.float64)
+    params = (packed[0].float(), packed[1].long(), packed[2].float(), any(r.params.top_k > 0 for r in requests),
+              any(r.params.top_p < 1 for r in requests))
+    if len(_PARAMS) >= 8:
+        _PARAMS.clear()
+    _PARAMS[key] = (requests, ids, device, params)
+    return params
+
+
+def request_ints(requests, device) -> torch.Tensor:
+    """`[5, n]` int64 on `device`, one copy: each request's seed, tokens generated so far, whether it is verified by
+    exact match (greedy, or seeded: `Request.coupled`), whether it is seeded and whether it is greedy."""
+    return upload([[r.seed for r in requests], [len(r.generated) for r in requests],
+                   [not r.params.do_sample or r.coupled for r in requests], [r.coupled for r in requests],
+                   [not r.params.do_sample for r in requests]], device)
 
 
 def penalise(raw, draft, requests):
@@ -40,15 +71,15 @@ def penalise(raw, draft, requests):
     if not rows:
         return raw
     sub = [requests[i] for i in rows]
-    index = torch.tensor(rows, device=raw.device)
-
-    def per_request(name):
-        return torch.tensor([getattr(r.params, name) for r in sub], device=raw.device)
-
+    # one copy: the rows, then each penalty (their float32 is their float64's)
+    packed = upload([rows] + [[getattr(r.params, name) for r in sub]
+                              for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")],
+                    raw.device, torch.float64)
+    index = packed[0].long()
     raw = raw.float().clone()
     raw[index] = apply_penalties(raw[index], draft[index], torch.stack([r.penalties.seen for r in sub]),
-                                 torch.stack([r.penalties.counts for r in sub]), per_request("repetition_penalty"),
-                                 per_request("frequency_penalty"), per_request("presence_penalty"))
+                                 torch.stack([r.penalties.counts for r in sub]), packed[1].float(),
+                                 packed[2].float(), packed[3].float())
     return raw
 
 
@@ -57,12 +88,11 @@ def draft_selector(requests, device, process, confidence):
     argmax when greedy, else a draw from q = `process(logits, requests, 1)` at its position j: the Gumbel-max draw
     with its noise when seeded, coupled to the target's draw there, an inverse-CDF draw with its seed's stream when
     not), that q (None when every request is greedy) and D-Cut's `confidence(probs, token)` there."""
-    greedy = torch.tensor([not r.params.do_sample for r in requests], device=device)
-    all_greedy = bool(greedy.all())
-    seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
-    gen_pos = torch.tensor([len(r.generated) for r in requests], device=device)
+    all_greedy = not any(r.params.do_sample for r in requests)
+    seeds, gen_pos, _, _, greedy = request_ints(requests, device)
+    greedy = greedy.bool()
     coupled = [i for i, r in enumerate(requests) if r.coupled]
-    coupled = torch.tensor(coupled, dtype=torch.long, device=device) if coupled else None
+    coupled = upload(coupled, device) if coupled else None
 
     def select(logits, j):
         if all_greedy:
@@ -87,29 +117,34 @@ class Verified:
     next_token: torch.Tensor  # [B] the token after them (correction or bonus)
     emitted: torch.Tensor  # [B, span] the accepted drafts, then the next token (the rest: padding)
     logprobs: torch.Tensor  # [B, span] log-probability of each emitted token under the (penalised) target logits
-    top: list | None  # `top_tokens`
+    top: list | None  # `top_tokens` (None: see `top_candidates`)
+    top_candidates: tuple | None = None  # `(values, ids)` `[B, span, n]` of `top_candidates`, not yet read
 
 
-def verify_drafts(raw, draft, draft_probs, depth, requests, process=process_requests) -> Verified:
+def verify_drafts(raw, draft, draft_probs, depth, requests, process=process_requests,
+                  depth_host: list[int] | None = None) -> Verified:
     """Verify each request's first `depth [B]` draft tokens `draft [B, K]` (q: `draft_probs [B, K, V]`, read for the
     rejection-sampled requests only, or None when there are none) against the target's logits `raw [B, span, V]` at
     its verified positions (row j: the token after draft j - 1), with `process` the per-request processing of
     `process_requests`'s signature. A seeded sampled request is verified by the greedy rule on its Gumbel-max scores
-    (`sampling.gumbel_scores` of p) at each position up to its depth: its token there is their argmax."""
+    (`sampling.gumbel_scores` of p) at each position up to its depth: its token there is their argmax. `depth_host`:
+    `depth` as a host list, which says where those positions are without reading the device (else read)."""
     span, dev = raw.shape[1], raw.device
     ar = torch.arange(span, device=dev)[None, :]
     raw = penalise(raw, draft, requests)
-    exact_match = torch.tensor([not r.params.do_sample or r.coupled for r in requests], device=dev)
-    seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=dev)
-    gen_pos = torch.tensor([len(r.generated) for r in requests], device=dev)[:, None] + ar
+    seeds, gen_pos, exact_match, coupled, _ = request_ints(requests, dev)
+    exact_match, coupled = exact_match.bool(), coupled.bool()
+    gen_pos = gen_pos[:, None] + ar
     scores = raw
     if any(r.params.do_sample for r in requests):
         probs = process(raw.reshape(-1, raw.shape[-1]), requests, span).reshape(raw.shape)
         scores = torch.where(exact_match[:, None, None], raw, probs)
         if any(r.coupled for r in requests):  # each seeded row's positions up to its depth (the rest are not read)
-            coupled = torch.tensor([r.coupled for r in requests], device=dev)
-            rows = coupled[:, None] & (ar <= depth[:, None])  # [B, span]
-            scores[rows] = gumbel_scores(probs[rows], seeds[:, None].expand(-1, span)[rows], gen_pos[rows])
+            if depth_host is None:
+                depth_host = depth.tolist()
+            at = upload([[b for b, r in enumerate(requests) if r.coupled for _ in range(depth_host[b] + 1)],
+                         [j for b, r in enumerate(requests) if r.coupled for j in range(depth_host[b] + 1)]], dev)
+            scores[at[0], at[1]] = gumbel_scores(probs[at[0], at[1]], seeds[at[0]], gen_pos[at[0], at[1]])
     draft_v = draft[:, : span - 1]
     q = draft_probs[:, : span - 1] if draft_probs is not None else None
     num_accepted, next_token = kernels.verify(
@@ -120,29 +155,38 @@ def verify_drafts(raw, draft, draft_probs, depth, requests, process=process_requ
     emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
     log_probs = torch.log_softmax(raw.float(), -1)
     logprobs = log_probs.gather(-1, emitted[..., None]).squeeze(-1)
-    return Verified(num_accepted, next_token, emitted, logprobs, top_tokens(log_probs, requests))
+    return Verified(num_accepted, next_token, emitted, logprobs, None, top_candidates(log_probs, requests))
 
 
 def verify_forward(forward, draft, draft_probs, depth, requests, process=process_requests) -> Verified:
     """`verify_drafts` on a packed forward (`model_runner.PackedForward`). A batch of greedy requests without
     penalties or top tokens takes `verify_greedy`, which reads only the logits of the positions each row verifies and
-    emits; the others get the `[B, span, V]` copy of the logits (every row padded to the batch's deepest)."""
+    emits; the others get the `[B, span, V]` copy of the logits (every row padded to the batch's deepest). The depths
+    are known to the host from the forward's shape."""
+    depth_host = [0] * forward.num_prefill + [n - 1 for n in forward.step.new_host[forward.num_prefill:]]
     if draft_probs is None and not any(r.params.do_sample or r.penalties is not None or r.params.top_n_tokens
                                        for r in requests):
-        return verify_greedy(forward.logits, forward.positions, draft, depth)
-    return verify_drafts(forward.scored, draft, draft_probs, depth, requests, process)
+        return verify_greedy(forward.logits, forward.positions, draft, depth, depth_host)
+    return verify_drafts(forward.scored, draft, draft_probs, depth, requests, process, depth_host)
 
 
-def verify_greedy(logits, positions, draft, depth) -> Verified:
+def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None = None) -> Verified:
     """Greedy verification of `depth [B]` draft tokens `draft [B, K]` against `logits [P, V]` at their rows
     `positions [B, span]` (as `verify_drafts` with `raw = logits[positions]` and every request greedy, the same
     tokens), reading the B + verified rows it needs instead of B x span: with one request verifying a 10-token lookup
-    beside 31 that verify none, the padded copy and its log-softmax took 85 ms of a 320 ms step on this CPU."""
+    beside 31 that verify none, the padded copy and its log-softmax took 85 ms of a 320 ms step on this CPU.
+    `depth_host`: `depth` as a host list (else read), which says which rows those are."""
     rows, span = positions.shape
-    ar = torch.arange(span, device=logits.device)[None, :]
-    tested = ar <= depth[:, None]
-    top = torch.zeros(rows, span, dtype=torch.long, device=logits.device)
-    top[tested] = logits[positions[tested]].argmax(-1)
+    dev = logits.device
+    if depth_host is None:
+        depth_host = depth.tolist()
+    ar = torch.arange(span, device=dev)[None, :]
+    # the tested positions (row, column) of every row, from the host's depths: one copy, no mask to count
+    tested = upload([[r for r, d in enumerate(depth_host) for _ in range(d + 1)],
+                     [j for d in depth_host for j in range(d + 1)]], dev)
+    tested_logits = logits[positions[tested[0], tested[1]]].float()  # [tested, V]
+    top = torch.zeros(rows, span, dtype=torch.long, device=dev)
+    top[tested[0], tested[1]] = tested_logits.argmax(-1)
     top = top.gather(1, torch.minimum(ar, depth[:, None]).expand(rows, span))  # padding repeats the last
     draft_v = draft[:, : span - 1]
     match = (draft_v == top[:, : span - 1]) & (ar[:, : span - 1] < depth[:, None])
@@ -150,18 +194,30 @@ def verify_greedy(logits, positions, draft, depth) -> Verified:
     next_token = top.gather(1, num_accepted[:, None]).squeeze(1)
     emitted = torch.cat([draft_v, draft_v.new_zeros(rows, 1)], 1)
     emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
-    kept = ar <= num_accepted[:, None]
-    logprobs = torch.zeros(rows, span, device=logits.device)
-    log_probs = torch.log_softmax(logits[positions[kept]].float(), -1)
-    logprobs[kept] = log_probs.gather(-1, emitted[kept][:, None]).squeeze(-1)
+    # log-probabilities of the emitted tokens: at every tested position (the kept ones are among them), the rest 0
+    log_probs = torch.log_softmax(tested_logits, -1)
+    logprobs = torch.zeros(rows, span, device=dev)
+    logprobs[tested[0], tested[1]] = log_probs.gather(-1, emitted[tested[0], tested[1]][:, None]).squeeze(-1)
+    logprobs = torch.where(ar <= num_accepted[:, None], logprobs, 0.0)
     return Verified(num_accepted, next_token, emitted, logprobs, None)
+
+
+def top_candidates(log_probs, requests) -> tuple | None:
+    """`(values, ids)` `[B, span, n]` of the n most likely tokens (n: the most any request asks for), or None."""
+    n = max(r.params.top_n_tokens for r in requests)
+    if n == 0:
+        return None
+    return log_probs.topk(min(n, log_probs.shape[-1]), dim=-1)
+
+
+def top_lists(values: list, ids: list, requests) -> list:
+    """`[B][span]` lists of (id, logprob) of each request's own n most likely tokens (host lists of
+    `top_candidates`), None for a request that asks for none."""
+    return [[list(zip(i[: r.params.top_n_tokens], v[: r.params.top_n_tokens])) for i, v in zip(ii, vv)]
+            if r.params.top_n_tokens else None for r, ii, vv in zip(requests, ids, values)]
 
 
 def top_tokens(log_probs, requests):
     """`[B][span]` lists of (id, logprob) of the n most likely tokens for requests asking for them, else None."""
-    n = max(r.params.top_n_tokens for r in requests)
-    if n == 0:
-        return None
-    values, ids = log_probs.topk(min(n, log_probs.shape[-1]), dim=-1)
-    return [[list(zip(i[: r.params.top_n_tokens], v[: r.params.top_n_tokens])) for i, v in zip(ii, vv)]
-            if r.params.top_n_tokens else None for r, ii, vv in zip(requests, ids.tolist(), values.tolist())]
+    top = top_candidates(log_probs, requests)
+    return None if top is None else top_lists(top[0].tolist(), top[1].tolist(), requests)

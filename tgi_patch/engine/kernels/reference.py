@@ -27,14 +27,18 @@ def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain
     valid = torch.arange(k, device=accept_prob.device)[None, :] < num_drafted[:, None]
     survival = torch.where(valid, torch.cumprod(accept_prob.float(), dim=1), torch.zeros((), device=valid.device))
     order = torch.sort(torch.where(valid, survival, -1.0).reshape(-1), descending=True, stable=True).indices
-    limit = min(int(budget), int(valid.sum()))
+    n, dev = batch * k, accept_prob.device
+    limit = valid.sum().clamp(max=int(budget))  # on the device: nothing is read back
     if step_cost is not None:
-        gains = torch.cat([survival.new_zeros(1), survival.reshape(-1)[order].cumsum(0)])[: limit + 1] + base_gain
-        chosen = torch.argmax(gains / step_cost[: limit + 1].float())
+        gains = torch.cat([survival.new_zeros(1), survival.reshape(-1)[order].cumsum(0)]) + base_gain  # [n + 1]
+        cost = step_cost.float()[: n + 1]
+        cost = torch.cat([cost, cost.new_ones(n + 1 - len(cost))])  # past `limit`: never chosen
+        ratio = torch.where(torch.arange(n + 1, device=dev) <= limit, gains / cost, -float("inf"))
+        chosen = torch.argmax(ratio)
     else:
-        chosen = torch.tensor(limit, device=accept_prob.device)
-    selected = torch.zeros(batch * k, dtype=torch.bool, device=accept_prob.device)
-    selected[order[:chosen]] = True
+        chosen = limit
+    # the `chosen` best positions: ranks below it, scattered back to their places
+    selected = torch.zeros(n, dtype=torch.bool, device=dev).scatter(0, order, torch.arange(n, device=dev) < chosen)
     depth = selected.reshape(batch, k).sum(1)
     return depth, survival, chosen.long()
 
@@ -58,22 +62,22 @@ def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
     in_depth = ar < depth[:, None]
     target_top = scores.argmax(-1)  # [B, K + 1]
     match = draft == target_top[:, :k]
-    if draft_probs is not None and not bool(greedy.all()):
+    if draft_probs is not None:  # (greedy rows keep their match: no read of `greedy` decides anything here)
         p_d = scores[:, :k].gather(-1, draft[..., None]).squeeze(-1).float()
         q_d = draft_probs.gather(-1, draft[..., None]).squeeze(-1).float()
         match = torch.where(greedy[:, None], match, u_accept.float() * q_d < p_d)
     num_accepted = torch.cumprod((match & in_depth).long(), dim=1).sum(1)
     next_token = target_top.gather(1, num_accepted[:, None]).squeeze(1)
-    if not bool(greedy.all()):
-        rows = torch.arange(batch, device=draft.device)
-        p = scores[rows, num_accepted].float()  # [B, V]
-        rejected = num_accepted < depth
-        if draft_probs is not None and k > 0:
-            q = draft_probs[rows, num_accepted.clamp(max=k - 1)].float()
-            residual = (p - q).clamp(min=0)
-            use_residual = rejected & (residual.sum(-1) > 0)
-            p = torch.where(use_residual[:, None], residual, p)
-        sampled = sample_from(p, u_sample.gather(1, num_accepted[:, None]).squeeze(1))
-        next_token = torch.where(greedy, next_token, sampled)
+    # every row draws (greedy rows discard theirs below): a branch on `greedy` would read it back
+    rows = torch.arange(batch, device=draft.device)
+    p = scores[rows, num_accepted].float()  # [B, V]
+    rejected = num_accepted < depth
+    if draft_probs is not None and k > 0:
+        q = draft_probs[rows, num_accepted.clamp(max=k - 1)].float()
+        residual = (p - q).clamp(min=0)
+        use_residual = rejected & (residual.sum(-1) > 0)
+        p = torch.where(use_residual[:, None], residual, p)
+    sampled = sample_from(p, u_sample.gather(1, num_accepted[:, None]).squeeze(1))
+    next_token = torch.where(greedy, next_token, sampled)
     return num_accepted, next_token
 

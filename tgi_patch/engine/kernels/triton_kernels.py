@@ -7,6 +7,11 @@ outputs) that run on CPU and define what these compute. Dispatch is in `kernels/
 * `verify`: one program per request — greedy acceptance against the argmax of its scores (a greedy request's logits,
   a seeded sampled request's Gumbel-max scores), or exact rejection sampling, then the correction / bonus token by
   inverse-CDF sampling over the vocabulary in blocks.
+
+Shapes that change from step to step are runtime arguments or rounded up to a power of two, so each kernel compiles
+once per bucket rather than once per step shape: the draft width `K` is a runtime stride (`dcut_select` unrolls over
+`K_PAD`, its next power of two, masking the rest), the batch and the `batch × K` keys are padded to powers of two,
+and `verify` compiles once per (has draft probabilities, vocabulary block).
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ import triton.language as tl
 
 @triton.jit
 def _dcut_select_kernel(accept_ptr, drafted_ptr, cost_ptr, survival_ptr, depth_ptr, chosen_ptr, batch, budget,
-                        base_gain, K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                        base_gain, K, K_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
                         HAS_COST: tl.constexpr):
     rows = tl.arange(0, BLOCK_B)
     row_ok = rows < batch
     drafted = tl.load(drafted_ptr + rows, mask=row_ok, other=0)
     running = tl.full([BLOCK_B], 1.0, tl.float32)
-    for j in tl.static_range(K):  # survival: the running product along each block
-        a = tl.load(accept_ptr + rows * K + j, mask=row_ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(K_PAD):  # survival: the running product along each block (K of the K_PAD columns)
+        ok = row_ok & ((rows * 0 + j) < K)  # a block mask (column j exists)
+        a = tl.load(accept_ptr + rows * K + j, mask=ok, other=0.0).to(tl.float32)
         running = running * a
-        tl.store(survival_ptr + rows * K + j, tl.where(j < drafted, running, 0.0), mask=row_ok)
+        tl.store(survival_ptr + rows * K + j, tl.where(j < drafted, running, 0.0), mask=ok)
     tl.debug_barrier()
 
     n = batch * K
@@ -55,10 +61,11 @@ def _dcut_select_kernel(accept_ptr, drafted_ptr, cost_ptr, survival_ptr, depth_p
     threshold = tl.sum(tl.where(idx == chosen - 1, ordered, 0), axis=0)
     threshold = tl.where(chosen > 0, threshold, 1 << 62)  # nothing selected
     depth = tl.zeros([BLOCK_B], tl.int64)
-    for j in tl.static_range(K):
-        s_j = tl.load(survival_ptr + rows * K + j, mask=row_ok, other=0.0)
+    for j in tl.static_range(K_PAD):
+        ok = row_ok & ((rows * 0 + j) < K)
+        s_j = tl.load(survival_ptr + rows * K + j, mask=ok, other=0.0)
         key_j = (s_j.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_N - (rows * K + j)).to(tl.int64)
-        depth += ((j < drafted) & (key_j >= threshold)).to(tl.int64)
+        depth += (ok & (j < drafted) & (key_j >= threshold)).to(tl.int64)
     tl.store(depth_ptr + rows, depth, mask=row_ok)
     tl.store(chosen_ptr, chosen.to(tl.int64))
 
@@ -73,7 +80,7 @@ def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain
     cost = step_cost.float().contiguous() if step_cost is not None else survival
     _dcut_select_kernel[(1,)](
         accept_prob.float().contiguous(), num_drafted.contiguous(), cost, survival, depth, chosen, batch,
-        int(budget), float(base_gain), K=k, BLOCK_B=triton.next_power_of_2(batch),
+        int(budget), float(base_gain), k, K_PAD=triton.next_power_of_2(k), BLOCK_B=triton.next_power_of_2(batch),
         BLOCK_N=triton.next_power_of_2(batch * k), HAS_COST=step_cost is not None,
     )
     return depth, survival, chosen
@@ -136,7 +143,7 @@ def _sample_row(p_ptr, q_ptr, u, V, USE_Q: tl.constexpr, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _verify_kernel(scores_ptr, draft_ptr, q_ptr, depth_ptr, greedy_ptr, ua_ptr, us_ptr, n_acc_ptr, next_ptr, V,
-                   K: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+                   K, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     depth = tl.load(depth_ptr + b)
     greedy = tl.load(greedy_ptr + b) != 0
@@ -183,6 +190,6 @@ def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
     _verify_kernel[(batch,)](
         scores.float().contiguous(), draft.contiguous(), q, depth.contiguous(), greedy.to(torch.int8).contiguous(),
         u_accept.float().contiguous(), u_sample.float().contiguous(), num_accepted, next_token, vocab,
-        K=k, HAS_Q=has_q, BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
+        k, HAS_Q=has_q, BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
     )
     return num_accepted, next_token
