@@ -1,7 +1,10 @@
 """angelspec-hf: lossless speculative decoding for Hugging Face causal LMs with trained drafters.
 
-`import angelspec_hf` registers the drafters with `AutoConfig` / `AutoModel`; nothing else happens on import (the
-`generate()` routing is installed when a drafter is first constructed, see `angelspec_hf.modeling.candidate_generator`).
+`import angelspec_hf` does two things: it registers the drafters with `AutoConfig` / `AutoModel`, and it enables the
+generate() hook (`enable_generate_hook`), which wraps two methods of transformers' `GenerationMixin` for the whole
+process so that `target.generate(assistant_model=drafter)` routes an AngelSpec drafter to its own candidate generator
+(every other assistant falls through unchanged; see `angelspec_hf.modeling.candidate_generator`).
+`disable_generate_hook()` undoes it. Constructing or loading a drafter patches nothing.
 """
 
 from transformers import AutoConfig, AutoModel
@@ -16,6 +19,9 @@ from angelspec_hf.modeling import (
     MTPConfig,
     MTPDrafter,
     SpeculationStats,
+    disable_generate_hook,
+    enable_generate_hook,
+    generate_hook_enabled,
     load_foreign_checkpoint,
 )
 from angelspec_hf.cpu_kernels import prepack_linears
@@ -24,6 +30,7 @@ from angelspec_hf.targets import load_default_target, load_target
 for _config_cls, _model_cls in DRAFTERS.values():
     AutoConfig.register(_config_cls.model_type, _config_cls, exist_ok=True)
     AutoModel.register(_config_cls, _model_cls, exist_ok=True)
+enable_generate_hook()
 
 
 def load_drafter(name_or_path, device=None, dtype=None, **kwargs) -> DrafterPreTrainedModel:
@@ -50,7 +57,8 @@ def load_drafter(name_or_path, device=None, dtype=None, **kwargs) -> DrafterPreT
 __version__ = "0.1.0"
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DrafterPreTrainedModel", "MTPConfig",
-    "MTPDrafter", "SpeculationStats", "load_default_target", "load_drafter", "load_target", "prepack_linears",
+    "MTPDrafter", "SpeculationStats", "disable_generate_hook", "enable_generate_hook", "generate_hook_enabled",
+    "load_default_target", "load_drafter", "load_target", "prepack_linears",
 ]
 
 

@@ -1,6 +1,12 @@
 """`python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab]`: a training run's final drafter → fp16 Hub layout in
-DEST (safetensors, config, modeling code with `auto_map`, the run's model card and loss curve). `python -m angelspec_hf.ship --code FOLDER...`
-rewrites only the modeling code of shipped folders from the current `modeling/` (what `save_pretrained` would write).
+DEST (safetensors, config, modeling code with `auto_map`, the run's model card and loss curve).
+`python -m angelspec_hf.ship --code FOLDER...` rewrites only the modeling code of shipped folders from the current
+`modeling/` (what `save_pretrained` would write); weights and config stay as they are.
+
+A folder's code is its family's configuration and modeling files with `drafter_utils.py` and `configuration_drafter.py`
+(what `from_pretrained` needs to build the drafter and what `propose`/`draft` need to run it): the generate() hook
+(`candidate_generator.py`, `draft_policy.py`) and the rest of `drafter_library.py` stay in the installed package,
+which the folder's code imports only where a caller asks for them (`drafter_utils.library`).
 
 In a checkout, `drafters/*/model.safetensors` are git-ignored: the shipped weights are git blobs listed in
 `drafters/weights.json` (`angelspec_hf.weights_store`). Shipping into `drafters/<name>` prints the steps that record
@@ -53,7 +59,7 @@ def export_drafter_code(folder, out=None) -> list[Path]:
     import json
 
     from angelspec_hf.modeling import DRAFTERS
-    from angelspec_hf.modeling.drafter_utils import export_code
+    from angelspec_hf.modeling.drafter_library import export_code
 
     model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
     classes = next((pair for pair in DRAFTERS.values() if pair[0].model_type == model_type), None)
@@ -66,13 +72,31 @@ def export_drafter_code(folder, out=None) -> list[Path]:
     return sorted(set(export_code(classes[1], out) + export_code(classes[0], out)))
 
 
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--code":
-        for folder in sys.argv[2:]:
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m angelspec_hf.ship", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="RUN_DIR DEST (ship a training run), or with --code the drafter folders to re-export")
+    parser.add_argument("--code", action="store_true",
+                        help="rewrite only the .py files of the given drafter folders from the current modeling/")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="drop a pruned draft vocabulary (keeps a DFlash drafter on transformers' DFlash path)")
+    args = parser.parse_args(argv)
+    if args.code:
+        if args.full_vocab:
+            parser.error("--full-vocab changes weights: ship the run again instead of --code")
+        for folder in args.paths:
             print(folder, [p.name for p in export_drafter_code(folder)])
-    elif len(sys.argv) in (3, 4) and sys.argv[3:] in ([], ["--full-vocab"]):
-        print(ship(sys.argv[1], sys.argv[2], full_vocab=sys.argv[3:] == ["--full-vocab"]))
-        if steps := store_steps(sys.argv[2]):
-            print(steps)
-    else:
-        sys.exit("usage: python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab] | --code FOLDER...")
+        return 0
+    if len(args.paths) != 2:
+        parser.error("shipping a run takes RUN_DIR DEST")
+    print(ship(args.paths[0], args.paths[1], full_vocab=args.full_vocab))
+    if steps := store_steps(args.paths[1]):
+        print(steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

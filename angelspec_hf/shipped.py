@@ -141,12 +141,12 @@ def drafter_for_target(name_or_path: str, target):
     return angelspec_hf.load_drafter(name_or_path, device=target.device, dtype=target.dtype)
 
 
-def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
-    """`(drafter, trained)`: the shipped drafter of `family` on the target's device, in the target's dtype unless
-    `dtype` is given (from `folder` when it holds one, e.g. a Space's own copy; else by Hub id, see `find_shipped`),
-    or a fresh untrained one (`untrained_drafter`, on the target's device and dtype) when none is found or the one
-    found was not made for `target` (the shipped ones are the embedded SmolLM2-135M-Instruct's). One line is appended
-    to `why` when given: where the drafter came from, or the reason for an untrained one."""
+def trained_drafter(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
+    """The shipped (trained) drafter of `family` for `target`, on the target's device, in the target's dtype unless
+    `dtype` is given (from `folder` when it holds one, e.g. a Space's own copy; else by Hub id, see `find_shipped`), or
+    None when none is found or the one found was not made for `target` (the shipped ones are the embedded
+    SmolLM2-135M-Instruct's). One line is appended to `why` when given: where the drafter came from, or why there is
+    none."""
     reasons = []
     if folder is not None and (Path(folder) / "config.json").is_file():
         found = ShippedDrafter(family, shipped_repo_id(family), "folder", Path(folder), f"from {folder}")
@@ -160,14 +160,64 @@ def shipped_or_untrained(family: str, target, dtype=None, why: list | None = Non
             if drafter.config.num_target_layers in (None, depth):
                 if why is not None:
                     why.append(f"the shipped {family} drafter {found.note}")
-                return drafter, True
+                return drafter
             reasons.append(f"the shipped {family} drafter ({found.note}) was made for a "
                            f"{drafter.config.num_target_layers}-layer target, this one has {depth} layers")
         except ValueError as exc:
             reasons.append(f"the shipped {family} drafter ({found.note}) does not fit this target: {exc}")
     if why is not None:
         why.extend(reasons)
+    return None
+
+
+def shipped_or_untrained(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
+    """`(drafter, trained)`: `trained_drafter(...)`, or - for experiments - a fresh untrained one (`untrained_drafter`,
+    on the target's device and dtype) when there is none, with the reason appended to `why`. What a user runs by
+    default where no trained drafter fits is n-gram lookup instead (`pick_drafter`)."""
+    drafter = trained_drafter(family, target, dtype=dtype, why=why, cache_dir=cache_dir, folder=folder)
+    if drafter is not None:
+        return drafter, True
     return untrained_drafter(family, target), False
+
+
+NGRAM_LOOKUP_TOKENS = 10  # tokens an n-gram (prompt) lookup proposes per round where no trained drafter fits
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """What `--drafter NAME` runs: `drafter` (None for n-gram lookup or no speculation) and `kind`: "trained" (a
+    shipped drafter), "lookup" (n-gram lookup: no trained drafter fits the target), "untrained" (random weights, asked
+    for by name), "given" (a folder or Hub id) or "none"; `note` says where it came from, or why lookup."""
+
+    drafter: object
+    kind: str
+    note: str
+
+
+def pick_drafter(name: str, target) -> DrafterChoice:
+    """`--drafter NAME` beside `target`: "mtp" | "dflash" | "dfly" is the shipped trained drafter, or n-gram lookup
+    (`NGRAM_LOOKUP_TOKENS`, which needs no training) where none fits the target - never an untrained drafter unless
+    asked for: "untrained" (a fresh DFly) or "untrained:<family>", for experiments. "none": no speculation. Anything
+    else is a drafter folder or Hub id (`drafter_for_target`)."""
+    from angelspec_hf.modeling import DRAFTERS
+
+    if name == "none":
+        return DrafterChoice(None, "none", "no speculation")
+    if name == "untrained" or name.startswith("untrained:"):
+        family = name.partition(":")[2] or "dfly"
+        if family not in DRAFTERS:
+            raise ValueError(f"--drafter {name}: no drafter family {family!r}; choose one of {sorted(DRAFTERS)}")
+        return DrafterChoice(untrained_drafter(family, target), "untrained",
+                             f"an UNTRAINED {family} drafter (random weights), as asked")
+    if name in DRAFTERS:
+        why = []
+        drafter = trained_drafter(name, target, why=why)
+        if drafter is not None:
+            return DrafterChoice(drafter, "trained", why[0])
+        return DrafterChoice(None, "lookup", f"no trained {name} drafter for this target ({'; '.join(why)}): n-gram "
+                             f"lookup of up to {NGRAM_LOOKUP_TOKENS} tokens instead, which needs no training "
+                             f"(`--drafter untrained:{name}` runs an untrained one, for experiments)")
+    return DrafterChoice(drafter_for_target(name, target), "given", f"from {name}")
 
 
 def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> list[tuple[str, Path, str, bool]]:

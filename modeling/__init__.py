@@ -1,7 +1,17 @@
 """AngelSpec drafters as `PreTrainedModel`s: MTP (autoregressive), DFlash (block diffusion) and DFly (DFlash + hybrid
-target conditioning + an autoregressive head)."""
+target conditioning + an autoregressive head).
 
-from .candidate_generator import AngelSpecCandidateGenerator, SpeculationStats
+A drafter's Hub folder carries its family's files (`configuration_*.py`, `modeling_*.py`, `configuration_drafter.py`,
+`drafter_utils.py`; `drafter_library.export_code` writes them); the rest of this package is the library's: the
+generate() hook (`candidate_generator.py`, `draft_policy.py`), `drafter_library.py` and the converters."""
+
+from .candidate_generator import (
+    AngelSpecCandidateGenerator,
+    SpeculationStats,
+    disable_generate_hook,
+    enable_generate_hook,
+    generate_hook_enabled,
+)
 from .configuration_drafter import DrafterConfig
 from .converters import export_eagle, export_zlab_dflash, load_foreign_checkpoint
 from .dflash.configuration_dflash import DFlashConfig
@@ -17,5 +27,5 @@ DRAFTERS = {"mtp": (MTPConfig, MTPDrafter), "dflash": (DFlashConfig, DFlashDraft
 __all__ = [
     "AngelSpecCandidateGenerator", "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DRAFTERS",
     "DrafterConfig", "DrafterOutput", "DrafterPreTrainedModel", "MTPConfig", "MTPDrafter", "SpeculationStats",
-    "export_eagle", "export_zlab_dflash", "load_foreign_checkpoint",
+    "disable_generate_hook", "enable_generate_hook", "generate_hook_enabled", "export_eagle", "export_zlab_dflash", "load_foreign_checkpoint",
 ]

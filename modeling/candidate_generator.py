@@ -8,10 +8,12 @@ DFly's autoregressive head and MTP's step-by-step drafting). So the drafter brin
 `model_kwargs_overrides` asking the target for exactly the hidden states the drafter reads), and the target still
 verifies with transformers' own code (greedy match, or `_speculative_sampling` with the draft logits we return).
 
-The one private piece is the routing: `install_generate_hook()` wraps `_get_candidate_generator` (and the mode
-validation that runs before it) so that an AngelSpec drafter passed as `assistant_model` gets its generator, and every
-other assistant falls through unchanged. It is installed the first time a drafter is constructed, not on import. The
-wrapped signatures are checked by `tests/test_generate_hook.py` for the pinned transformers range.
+The one private piece is the routing: `enable_generate_hook()` wraps `GenerationMixin._get_candidate_generator`
+(and the mode validation that runs before it), process-wide, so that an AngelSpec drafter passed as `assistant_model`
+gets its generator, and every other assistant falls through unchanged. `import angelspec_hf` enables it (and nothing
+else does: constructing or loading a drafter changes no other class); `disable_generate_hook()` restores transformers'
+own methods. This file belongs to the library: a drafter's Hub folder does not carry it. The wrapped signatures are
+checked by `tests/test_generate_hook.py` for the pinned transformers range.
 """
 
 from __future__ import annotations
@@ -297,9 +299,26 @@ def _is_angelspec_drafter(model) -> bool:
     return model is not None and callable(getattr(model, "get_candidate_generator", None))
 
 
-def install_generate_hook() -> None:
-    """Route `assistant_model=<AngelSpec drafter>` to the drafter's own candidate generator (idempotent)."""
-    if getattr(GenerationMixin, "_angelspec_hook_installed", False):
+def generate_hook_enabled() -> bool:
+    """Whether `enable_generate_hook()` has wrapped `GenerationMixin`'s two methods (and nothing has undone it)."""
+    return "_angelspec_original" in getattr(GenerationMixin._get_candidate_generator, "__dict__", {})
+
+
+def disable_generate_hook() -> None:
+    """Give `GenerationMixin` back transformers' own two methods (idempotent). AngelSpec drafters then run only on
+    transformers' own paths (a DFlash drafter with `speculation_type="dflash"`)."""
+    for name in ("_get_candidate_generator", "_validate_generation_mode"):
+        original = getattr(GenerationMixin, name).__dict__.get("_angelspec_original")
+        if original is not None:
+            setattr(GenerationMixin, name, original)
+
+
+def enable_generate_hook() -> None:
+    """Route `target.generate(assistant_model=<AngelSpec drafter>)` to the drafter's own candidate generator, for
+    every model of this process (idempotent): `GenerationMixin._get_candidate_generator` and
+    `_validate_generation_mode` are wrapped; every other assistant falls through to transformers unchanged. `import
+    angelspec_hf` calls it."""
+    if generate_hook_enabled():
         return
     original_get = GenerationMixin._get_candidate_generator
     original_validate = GenerationMixin._validate_generation_mode
@@ -337,6 +356,7 @@ def install_generate_hook() -> None:
             )
         return original_get(*bound.args, **bound.kwargs)
 
+    _validate_generation_mode._angelspec_original = original_validate
+    _get_candidate_generator._angelspec_original = original_get
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator
-    GenerationMixin._angelspec_hook_installed = True

@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .configuration_drafter import evenly_spaced_layer_ids
-from .dflash.configuration_dflash import DFlashConfig
+from .dflash.configuration_dflash import DFlashConfig, evenly_spaced_layer_ids
 from .dflash.modeling_dflash import DFlashDrafter
 from .dfly.configuration_dfly import DFlyConfig
 from .dfly.modeling_dfly import DFlyDrafter
-from .drafter_utils import read_config_dict
+from .drafter_library import read_config_dict
 from .mtp.configuration_mtp import MTPConfig, engines_eagle3_layer_ids
 from .mtp.modeling_mtp import MTPDrafter
 

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModel, LlamaConfig
 
 import angelspec_hf
 from angelspec_hf import DFlashConfig, DFlyConfig, DFlyDrafter, MTPConfig
-from angelspec_hf.modeling.configuration_drafter import evenly_spaced_layer_ids
+from angelspec_hf.modeling.dflash.configuration_dflash import evenly_spaced_layer_ids
 from helpers import FAMILIES, features_for, propose, same_drafts, tiny_drafter
 
 
@@ -176,14 +176,23 @@ REMOTE_CODE_CHECK = textwrap.dedent(
     model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     total = sum(p.double().sum().item() for p in model.parameters())
-    # the copied code also carries the generate() routing: speculative greedy == plain greedy here too
+    # the copied code carries no generate() routing (that is the library's hook): a DFlash drafter runs on
+    # transformers' built-in DFlash path, speculative greedy == plain greedy; the others say what to install
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)).eval()
     ids = torch.tensor([[5, 17, 33, 8]])
     kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(target.generate(ids, **kw), target.generate(ids, assistant_model=model.eval(), **kw))
+    if model.supports_transformers_dflash:
+        spec = target.generate(ids, assistant_model=model.eval(), speculation_type="dflash", **kw)
+        assert torch.equal(target.generate(ids, **kw), spec)
+    else:
+        try:
+            target.generate(ids, assistant_model=model.eval(), **kw)
+            raise SystemExit("generate ran a drafter without the library's hook")
+        except AttributeError as error:
+            assert "pip install angelspec-hf" in str(error), error
     print(type(model).__name__, repr(total))
     """
 )

@@ -1,6 +1,7 @@
 """Works when installed, not only when checked out: the shipped drafters resolve by Hub id from the local HF cache
 (filled offline by `angelspec install-drafters`, read back with huggingface_hub's own readers), the checkout folder is
-the fallback, an untrained fallback names its real reason, and the prompt data folder comes from `$ANGELSPEC_DATA`.
+the fallback, an untrained fallback names its real reason, `generate`/`serve` fall back to n-gram lookup (not to an
+untrained drafter) where no trained drafter fits, and the prompt data folder comes from `$ANGELSPEC_DATA`.
 A checkout's tracked tree fits its size budget: the drafter weights are git blobs listed in `drafters/weights.json`,
 written into the folders on demand."""
 
@@ -23,8 +24,10 @@ from angelspec_hf import prompts, shipped
 from angelspec_hf.shipped import (
     SHIPPED_DIR,
     SHIPPED_PREFIX,
+    NGRAM_LOOKUP_TOKENS,
     find_shipped,
     install_shipped,
+    pick_drafter,
     shipped_or_untrained,
     shipped_repo_id,
     untrained_drafter,
@@ -37,7 +40,7 @@ from angelspec_hf.weights_store import (
     store,
     write_manifest,
 )
-from helpers import tiny_drafter, tiny_target
+from helpers import tiny_chat_target, tiny_drafter, tiny_target
 
 REPO = shipped_repo_id("dfly")
 ROOT = SHIPPED_DIR.parent
@@ -196,6 +199,50 @@ def test_a_named_folder_comes_first_and_a_wrong_one_falls_back_with_its_reason(c
     again = untrained_drafter("dfly", target)
     assert torch.equal(torch.rand(4), expected)
     assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), again.state_dict().values()))
+
+
+def test_without_a_trained_drafter_the_commands_use_ngram_lookup_and_say_why(checkout, cache, target):
+    """`--drafter dfly` where no trained DFly fits the target: n-gram lookup (needs no training), never an untrained
+    drafter unless one is asked for by name."""
+    assert pick_drafter("dfly", target).kind == "trained"  # the checkout's drafter fits the tiny target
+    shutil.rmtree(checkout)
+    choice = pick_drafter("dfly", target)
+    assert choice.drafter is None and choice.kind == "lookup"
+    assert "no trained dfly drafter" in choice.note and f"not in the HF cache {cache}" in choice.note
+    assert f"{NGRAM_LOOKUP_TOKENS} tokens" in choice.note and "--drafter untrained:dfly" in choice.note
+    for name, family in (("untrained", "DFlyDrafter"), ("untrained:mtp", "MTPDrafter")):
+        choice = pick_drafter(name, target)
+        assert choice.kind == "untrained" and type(choice.drafter).__name__ == family and "UNTRAINED" in choice.note
+    assert pick_drafter("none", target).drafter is None
+    with pytest.raises(ValueError, match="no drafter family 'eagle'"):
+        pick_drafter("untrained:eagle", target)
+
+
+def test_generate_on_a_target_without_a_trained_drafter_runs_ngram_lookup(tmp_path, cache, capsys, monkeypatch):
+    from angelspec_hf.cli import main
+
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "no-checkout")
+    chat_target, tokenizer = tiny_chat_target()
+    chat_target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    assert main(["generate", "--target", str(tmp_path / "target"), "--drafter", "dfly", "--max-new-tokens", "12",
+                 "--repeats", "1", "--threads", "1", "--linear-kernels", "stock"]) == 0
+    out = capsys.readouterr().out
+    assert "NOTE: no trained dfly drafter for this target" in out and "UNTRAINED" not in out
+    assert "n-gram lookup, up to 10 tokens per round" in out and "identical to plain : yes (1/1 runs)" in out
+
+
+def test_the_batched_engine_runs_ngram_lookup_without_a_drafter(target):
+    """What `serve` runs where no trained drafter fits: the engine with n-gram lookups only, the target's own tokens."""
+    from angelspec_hf.tgi_patch.engine import SpeculativeEngine, generate_batch
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10]]
+    engine = SpeculativeEngine(target, None, lookup_tokens=NGRAM_LOOKUP_TOKENS, max_batch_size=2)
+    outs = generate_batch(target, None, prompts, max_new_tokens=12, engine=engine)
+    for prompt, out in zip(prompts, outs):
+        plain = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out == plain[0, len(prompt):].tolist()
+    assert engine.totals["lookup_rows"] > 0  # lookups were verified, not only plain steps
 
 
 def test_install_refuses_a_folder_without_the_drafters(tmp_path, cache, capsys):

@@ -1,5 +1,6 @@
 """Each shipped drafter folder carries exactly the modeling code that exporting the current `modeling/` writes, so a
-folder loaded with `trust_remote_code=True` (where this library is not installed) behaves like the library."""
+folder loaded with `trust_remote_code=True` builds and drafts as the library's classes do (its size and what it runs
+without the library: `tests/test_hub_folders.py`)."""
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_shipped_code_matches_an_export_of_modeling(folder, tmp_path):
 @pytest.mark.parametrize("family,own", [("mtp", {"mtp"}), ("dflash", {"dflash"}), ("dfly", {"dflash", "dfly"})])
 def test_an_export_carries_only_its_familys_code(family, own, tmp_path):
     from angelspec_hf.modeling import DRAFTERS
-    from angelspec_hf.modeling.drafter_utils import export_code
+    from angelspec_hf.modeling.drafter_library import export_code
 
     config_cls, drafter_cls = DRAFTERS[family]
     names = {p.name for p in export_code(drafter_cls, tmp_path) + export_code(config_cls, tmp_path)}

@@ -80,7 +80,7 @@ It reads target layers {list(c.target_layer_ids)} and shares the target's embedd
 ```python
 import angelspec_hf
 from transformers import AutoModel
-drafter = AutoModel.from_pretrained("<this repo>")   # or trust_remote_code=True without angelspec_hf
+drafter = AutoModel.from_pretrained("<this repo>")   # `import angelspec_hf` enables the generate() hook
 out = target.generate(**inputs, assistant_model=drafter)   # identical tokens to target.generate(**inputs)
 ```
 

@@ -1,10 +1,9 @@
 """DFlash drafter: a block of `[last verified token, MASK × (block_size - 1)]` denoised in one forward.
 
 The target's hidden states at `config.target_layer_ids` are concatenated, projected (`fc`) and normalised
-(`hidden_norm`) into a context that every draft layer sees as extra keys/values in front of the block; attention is
-non-causal. The drafter has no embedding or LM head of its own: it embeds with the target's table and its output goes
-through the target's LM head. The weight names follow z-lab's DFlash checkpoints, so those load by key renaming only
-(`modeling/converters.py`); `forward` also meets transformers' built-in DFlash contract (`speculation_type="dflash"`).
+(`hidden_norm`) into a context that every draft layer sees as extra keys/values in front of the block (non-causal
+attention). Embedding and LM head are the target's. Weight names follow z-lab's DFlash checkpoints; `forward` meets
+transformers' built-in DFlash contract (`speculation_type="dflash"`).
 """
 
 from __future__ import annotations
@@ -13,17 +12,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3Attention,
-    Qwen3DecoderLayer,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    eager_attention_forward,
-    rotate_half,
-)
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3DecoderLayer, Qwen3RMSNorm,
+                                                      Qwen3RotaryEmbedding, eager_attention_forward, rotate_half)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .drafter_utils import DrafterOutput, DrafterPreTrainedModel, draft_loop, padding_to_additive_mask
+from .drafter_utils import DrafterOutput, DrafterPreTrainedModel, draft_loop, library, padding_to_additive_mask
 from .configuration_dflash import DFlashConfig
 
 
@@ -50,9 +43,8 @@ class DFlashAttention(Qwen3Attention):
         query, key = _rotate(query, cos[:, -q_len:], sin[:, -q_len:]), _rotate(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                     eager_attention_forward)
         out, weights = attention(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, is_causal=False,
@@ -88,30 +80,9 @@ class DFlashDrafter(DrafterPreTrainedModel):
     def _build_extra_modules(self, config: DFlashConfig) -> None:
         """Hook for subclasses to add modules before weights are initialised."""
 
-    @torch.no_grad()
     def grow_layers(self, num_layers: int) -> None:
-        """Deepen the drafter to `num_layers` without changing what it computes: new layers are appended after the
-        last, initialised as usual except their output projections (attention `o_proj`, MLP `down_proj`), which start
-        at zero, so each new layer adds nothing to the residual stream until training moves it. A trained drafter
-        can so be warm-started into a larger one (`angelspec train --init_drafter <folder> --num_drafter_layers N`)."""
-        current = len(self.layers)
-        if num_layers < current:
-            raise ValueError(f"cannot shrink a drafter: it has {current} layers, {num_layers} asked")
-        if num_layers == current:
-            return
-        self.config.num_hidden_layers = num_layers
-        self.config.layer_types = list(self.config.layer_types) + ["full_attention"] * (num_layers - current)
-        device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        for index in range(current, num_layers):
-            layer = DFlashDecoderLayer(self.config, index)
-            layer.apply(self._init_weights)
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-            self.layers.append(layer.to(device=device, dtype=dtype))
-        self._grow_extra_modules(current, num_layers)
-
-    def _grow_extra_modules(self, old_layers: int, num_layers: int) -> None:
-        """Hook for subclasses with per-layer parameters outside `layers` (see `grow_layers`)."""
+        """*library*: deepen the drafter to `num_layers` without changing what it computes (warm starts)."""
+        library("drafter_library").grow_layers(self, num_layers)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -122,16 +93,9 @@ class DFlashDrafter(DrafterPreTrainedModel):
         shared = self.hidden_norm(self.fc(context_hidden_states))
         return [shared] * len(self.layers)
 
-    def forward(
-        self,
-        noise_embeds: torch.Tensor,
-        context_hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        previous_ids: torch.LongTensor | None = None,
-        **kwargs,
-    ) -> DrafterOutput:
+    def forward(self, noise_embeds: torch.Tensor, context_hidden_states: torch.Tensor,
+                position_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None, cache=None,
+                previous_ids: torch.LongTensor | None = None, **kwargs) -> DrafterOutput:
         r"""
         noise_embeds (`torch.FloatTensor` of shape `(batch_size, block_size, hidden_size)`):
             Target embeddings of `[anchor, MASK, ..., MASK]`.
@@ -145,9 +109,8 @@ class DFlashDrafter(DrafterPreTrainedModel):
         previous_ids (`torch.LongTensor` of shape `(batch_size, block_size)`, *optional*):
             Training only: the true token before each row, for DFly's teacher-forced AR head.
 
-        Returns `DrafterOutput` with `last_hidden_state` of shape `(batch_size, block_size, hidden_size)` (after the
-        final norm, and DFly's AR head when `previous_ids` is given; the target's LM head turns rows 1.. into draft
-        logits).
+        Returns `DrafterOutput`: `last_hidden_state` `(batch_size, block_size, hidden_size)` after the final norm (and
+        DFly's AR head when `previous_ids` is given); the target's LM head turns rows 1.. into draft logits.
         """
         batch, block, _ = noise_embeds.shape
         num_new = context_hidden_states.shape[1]
@@ -158,10 +121,8 @@ class DFlashDrafter(DrafterPreTrainedModel):
         position_embeddings = self.rotary_emb(noise_embeds, position_ids)
         hidden = noise_embeds
         for layer, context in zip(self.layers, self.layer_contexts(context_hidden_states)):
-            hidden = layer(
-                hidden, attention_mask=mask, cache=cache, position_embeddings=position_embeddings,
-                context_states=context,
-            )
+            hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=position_embeddings,
+                           context_states=context)
         return DrafterOutput(last_hidden_state=self.correct_rows(self.norm(hidden), previous_ids), cache=cache)
 
     def correct_rows(self, hidden: torch.Tensor, previous_ids: torch.LongTensor | None) -> torch.Tensor:

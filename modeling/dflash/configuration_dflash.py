@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 
-from ..configuration_drafter import DrafterConfig, evenly_spaced_layer_ids
+from ..configuration_drafter import DrafterConfig
+
+
+def evenly_spaced_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
+    """Pick `num_ids` 0-based target layers spread from the second layer to three before the last (DFlash's choice)."""
+    if num_ids < 1:
+        raise ValueError(f"num_ids must be >= 1, got {num_ids}")
+    if num_ids == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(num_target_layers - 3, 1)
+    span = end - start
+    return sorted({int(round(start + i * span / (num_ids - 1))) for i in range(num_ids)})
 
 
 @strict
@@ -15,14 +26,6 @@ class DFlashConfig(DrafterConfig):
         proposes `block_size - 1` draft tokens.
     mask_token_id (`int`, *optional*):
         A **target** vocabulary id whose (target) embedding fills the masked block positions.
-
-    Example:
-
-    ```python
-    >>> from angelspec_hf import DFlashConfig, DFlashDrafter
-    >>> config = DFlashConfig.from_target(target.config, block_size=8)
-    >>> drafter = DFlashDrafter(config)
-    ```
     """
 
     model_type = "angelspec_dflash"

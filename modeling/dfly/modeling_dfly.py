@@ -59,12 +59,6 @@ class DFlyDrafter(DFlashDrafter):
 
             init.zeros_(module.layer_fusion_weights)  # softmax(0) = an even mixture of the target layers
 
-    def _grow_extra_modules(self, old_layers: int, num_layers: int) -> None:
-        if self.config.use_layer_fusion:  # new layers' mixtures start even, as a fresh drafter's do
-            weights = self.layer_fusion_weights
-            extra = weights.new_zeros(num_layers - old_layers, weights.shape[1])
-            self.layer_fusion_weights = nn.Parameter(torch.cat([weights.detach(), extra]))
-
     def layer_contexts(self, context_hidden_states: torch.Tensor) -> list[torch.Tensor]:
         if not self.config.use_layer_fusion:
             return super().layer_contexts(context_hidden_states)

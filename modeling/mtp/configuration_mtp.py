@@ -46,14 +46,6 @@ class MTPConfig(DrafterConfig):
     target_layer_ids (`list[int]`):
         `"angelspec"`: exactly one target layer, by default the last. `"eagle3"`: three increasing layers before the
         last, by default the engines' own choice (`eagle3_layer_ids`).
-
-    Example:
-
-    ```python
-    >>> from angelspec_hf import MTPConfig, MTPDrafter
-    >>> drafter = MTPDrafter(MTPConfig.from_target(target.config, num_draft_tokens=4))
-    >>> eagle = MTPDrafter(MTPConfig.from_target(target.config, layout="eagle3"))  # servable by vLLM / SGLang
-    ```
     """
 
     model_type = "angelspec_mtp"

@@ -18,8 +18,15 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from ..drafter_utils import DrafterOutput, DrafterPreTrainedModel, additive_mask, causal_additive_mask, draft_loop
+from ..drafter_utils import DrafterOutput, DrafterPreTrainedModel, additive_mask, draft_loop
 from .configuration_mtp import MTPConfig
+
+
+def causal_additive_mask(query_length: int, past_length: int, dtype, device) -> torch.Tensor:
+    """`[1, 1, q, past + q]` additive mask: query i sees every cached key and new keys 0..i."""
+    kv = past_length + query_length
+    allowed = torch.arange(kv, device=device)[None, :] <= (past_length + torch.arange(query_length, device=device))[:, None]
+    return additive_mask(allowed, dtype)[None, None]
 
 
 class Eagle3DecoderLayer(GradientCheckpointingLayer):
