@@ -1,4 +1,4 @@
-"""Held-out τ of a drafter against the training it has had: the curve issue #13 asks for when a target is out of reach.
+"""Held-out τ of a drafter against the training it has had, and how much more training a τ goal would take.
 
 Each checkpoint is `label:steps:source`, where steps is the cumulative optimiser steps behind it and source a drafter
 folder or `git:<rev>:<path>` (a drafter committed at that revision, e.g. an earlier shipped round). Every checkpoint
@@ -9,6 +9,16 @@ tokens, on held-out TRAIN prompts that were never regenerated (`tune_stop_thresh
         "round 1:800:git:7752a0e:drafters/smollm2-135m-instruct-dfly" ... "round 5:4400:drafters/smollm2-135m-instruct-dfly"
 
 Writes `tau_by_training.json` and `tau_by_training.png` (τ and first-token acceptance against cumulative steps).
+
+With `--from-logs RUN_DIR`, nothing is measured: the held-out τ a training run logged (`--eval_prompts_from held_out`,
+the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is read from the newest `trainer_state.json`
+of the run (its own, or its newest checkpoint's), drawn against training blocks seen, and extrapolated to τ 3 and 4
+by a least-squares fit τ = a + b·ln(blocks); the blocks needed are converted to CPU hours at the run's median logged
+`blocks_per_second`. `--blocks-before` adds the blocks the starting drafter had already seen (the shipped DFly:
+rounds 1–5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
+
+    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 1126400 \
+        --out outputs/tau-by-training          # writes tau_by_compute.json and tau_by_compute.png
 """
 
 from __future__ import annotations
@@ -86,7 +96,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.annotate(r["label"] + " (hollow)", (r["steps"], r["tau"]), textcoords="offset points", xytext=(-40, 22),
                     fontsize=7)
     ax.set_xlim(0, max(r["steps"] for r in rows) * 1.15)
-    ax.axhline(3.0, color="grey", lw=0.8, ls=":", label="issue #13: τ 3.0")
+    ax.axhline(3.0, color="grey", lw=0.8, ls=":", label="τ 3.0")
     ax.set_ylim(1.0, 3.2)
     right.set_ylim(0.0, 1.0)
     ax.set_xlabel("cumulative training steps (4 sequences each)")
@@ -99,6 +109,103 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def newest_state(run_dir) -> dict:
+    """The `trainer_state.json` with the most steps among a run folder's own and its checkpoints'."""
+    candidates = [Path(run_dir) / "trainer_state.json", *Path(run_dir).glob("checkpoint-*/trainer_state.json")]
+    states = [json.loads(p.read_text()) for p in candidates if p.is_file()]
+    if not states:
+        raise FileNotFoundError(f"no trainer_state.json in {run_dir} or its checkpoint-* folders (the run writes one "
+                                "at its first save_steps)")
+    return max(states, key=lambda state: state.get("global_step", 0))
+
+
+def rows_from_logs(log_history: list[dict], key: str = "tau/held_out", blocks_before: int = 0) -> list[dict]:
+    """`[{"step", "blocks", "tau"}]` for each logged `key` that carries the blocks seen (in step order, one per
+    step), with `blocks_before` added."""
+    rows = {}
+    for entry in log_history:
+        if key in entry and "blocks" in entry:
+            rows[entry["step"]] = {"step": entry["step"], "blocks": entry["blocks"] + blocks_before, "tau": entry[key]}
+    return [rows[step] for step in sorted(rows)]
+
+
+def fit_log_curve(blocks, taus) -> tuple[float, float]:
+    """Least-squares `(a, b)` of τ = a + b·ln(blocks) over points with blocks > 0 (needs two distinct block counts)."""
+    import math
+
+    points = [(math.log(x), y) for x, y in zip(blocks, taus) if x > 0]
+    if len({x for x, _ in points}) < 2:
+        raise ValueError("the fit needs τ at two or more different block counts")
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
+
+
+def blocks_for(tau: float, a: float, b: float) -> float | None:
+    """Blocks at which the fit reaches `tau` (None when the fit does not rise)."""
+    import math
+
+    return math.exp((tau - a) / b) if b > 0 else None
+
+
+def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: Path, rate: float | None) -> None:
+    """Held-out τ against blocks seen (log axis), the fitted curve extended to the τ goals, each goal marked with its
+    blocks (and CPU hours at `rate` blocks per second)."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    ax.plot([r["blocks"] for r in rows], [r["tau"] for r in rows], "o", color="C0", label="held-out τ (logged)")
+    reach = [x for x in goals.values() if x] + [r["blocks"] for r in rows]
+    lo, hi = min(r["blocks"] for r in rows), max(reach) * 1.5
+    xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
+    ax.plot(xs, [fit[0] + fit[1] * math.log(x) for x in xs], "--", color="C1",
+            label=f"fit τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks)")
+    for tau, blocks in goals.items():
+        ax.axhline(tau, color="grey", lw=0.8, ls=":")
+        if blocks:
+            hours = f", {blocks / rate / 3600:,.0f} h" if rate else ""
+            ax.annotate(f"τ {tau}: {blocks:.2g} blocks{hours}", (blocks, tau), textcoords="offset points",
+                        xytext=(-120, 6), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("training blocks seen (anchors with a supervised row)")
+    ax.set_ylabel("τ: held-out, greedy, whole blocks of 8")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out") -> dict:
+    import statistics
+
+    history = newest_state(run_dir)["log_history"]
+    rows = rows_from_logs(history, key, blocks_before)
+    rates = [e["blocks_per_second"] for e in history if "blocks_per_second" in e]
+    rate = statistics.median(rates) if rates else None
+    fit = fit_log_curve([r["blocks"] for r in rows], [r["tau"] for r in rows])
+    goals = {3.0: blocks_for(3.0, *fit), 4.0: blocks_for(4.0, *fit)}
+    result = {"run": str(run_dir), "key": key, "blocks_before": blocks_before, "rows": rows,
+              "fit": {"a": fit[0], "b": fit[1], "form": "tau = a + b * ln(blocks)"},
+              "blocks_per_second": rate, "goals": {str(t): {"blocks": x, "cpu_hours": x / rate / 3600 if x and rate
+                                                             else None} for t, x in goals.items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tau_by_compute.json").write_text(json.dumps(result, indent=1))
+    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate)
+    for r in rows:
+        print(f"step {r['step']:>6}  blocks {r['blocks']:>10,}  τ {r['tau']:.3f}")
+    print(f"fit: τ = {fit[0]:.3f} + {fit[1]:.4f}·ln(blocks); run speed {rate} blocks/s (median logged)")
+    for tau, x in goals.items():
+        hours = f" = {x / rate / 3600:,.0f} CPU hours at that speed" if x and rate else ""
+        print(f"τ {tau}: {'not reached by the fit' if x is None else f'{x:,.0f} blocks{hours}'}")
+    print(f"wrote {out / 'tau_by_compute.json'}, {out / 'tau_by_compute.png'}")
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="*", help="label:steps:source (a folder or git:<rev>:<path>)")
@@ -109,7 +216,15 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="outputs/tau-by-training")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out")
+    parser.add_argument("--from-logs", metavar="RUN_DIR", help="read the held-out τ a training run logged; measure "
+                        "nothing")
+    parser.add_argument("--blocks-before", type=int, default=0,
+                        help="with --from-logs: blocks the run's starting drafter had already seen")
+    parser.add_argument("--log-key", default="tau/held_out", help="with --from-logs: the logged τ to read")
     args = parser.parse_args(argv)
+    if args.from_logs:
+        from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key)
+        return 0
     if args.plot_only:
         rows = json.loads((Path(args.out) / "tau_by_training.json").read_text())["rows"]
         plot(rows, Path(args.out) / "tau_by_training.png")

@@ -19,8 +19,20 @@
 # instead of 4.1 s on 2 threads (`benchmarks/feature_modes.py` with this recipe). BF16=1 trains the drafter under
 # bf16 autocast (`--bf16 true`; the target's states and the teacher's logits stay fp32): a cached step 1.7 s instead of
 # 2.6 s in the same benchmark run. Rounds 1-5 ran without both. THREADS (default 1) per run.
-# Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [FEATURES=<folder>] [BF16=1] [THREADS=1]
-#        [SHIP=1] [DEVICE=auto|cpu|cuda] scripts/train_release.sh [STEPS] [OUT]
+# CPU defaults (FAST=1; FAST=0 is the recipe of rounds 1-5: random batches, 64 anchors, fp32): batches grouped by
+# length (24% padding -> 1%), 128 anchors per sequence (114 blocks per target forward instead of 62), the target's
+# training forward on a bf16 copy with compiled decoder layers (half the fp32 forward's time; teacher argmax agrees on
+# 99.4% of positions; the τ eval and verification use the fp32 target), the drafter under bf16 autocast. No cache to
+# build first. Measured side by side, interleaved, from the shipped DFly on the same TRAIN data with 2 threads
+# (`python benchmarks/train_throughput.py --threads 2 --rounds 2 --steps 4`): 10.8 training blocks/s against 6.6
+# (1.64x) with the 2 cores shared with other jobs (load 6-13), where the baseline's step took 39 s instead of 4.1 s;
+# part by part on one batch, about 3.2x fewer seconds per block (docs/training.md). Held-out τ (12 held-out TRAIN
+# prompts, the ones scripts/tau_by_training.py measures) is logged as tau/held_out before the first step and every
+# 250 steps, with the blocks seen so far; `scripts/tau_by_training.py --from-logs <OUT>/dfly` draws and extrapolates it.
+# MAX_SECONDS=N ends a run after N seconds of training with a checkpoint of its last step; rerunning the same command
+# continues from there, on the same learning-rate schedule (set by STEPS).
+# Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [FEATURES=<folder>] [FAST=1] [BF16=1]
+#        [THREADS=1] [MAX_SECONDS=N] [SHIP=1] [DEVICE=auto|cpu|cuda] scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-1000}
@@ -30,10 +42,15 @@ SEED=${SEED:-0}
 SHIP=${SHIP:-1}
 DEPTH=(); [ -n "${LAYERS:-}" ] && DEPTH=(--num_drafter_layers "$LAYERS")
 THREADS=${THREADS:-1}
+RECIPE=(--num_anchors 64)
+[ "${FAST:-1}" = 1 ] && RECIPE=(--num_anchors 128 --train_sampling_strategy group_by_length
+                                 --target_states_dtype bfloat16 --compile_target_states true --bf16 true)
+LIMIT=(); [ -n "${MAX_SECONDS:-}" ] && LIMIT=(--max_train_seconds "$MAX_SECONDS")
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate 5e-4 --warmup_steps 20 --lr_scheduler_type cosine
-        --max_seq_length 384 --num_anchors 64 --resample_anchors true --loss_kind ce+kl
-        --logging_steps 10 --save_steps 50 --save_total_limit 1 --eval_steps 250 --eval_prompts 8
+        --max_seq_length 384 "${RECIPE[@]}" --resample_anchors true --loss_kind ce+kl "${LIMIT[@]}"
+        --logging_steps 10 --save_steps 50 --save_total_limit 1 --eval_steps 250 --eval_prompts 12
+        --eval_prompts_from held_out
         --eval_max_new_tokens 64 --report_to tensorboard --device "${DEVICE:-auto}" --dataloader_num_workers 0
         --resume true --seed "$SEED" --max_steps "$STEPS"
         --train_sets gsm8k code_alpaca gpteacher_codegen --draft_vocab_from drafters/smollm2-135m-instruct-dfly)

@@ -295,6 +295,7 @@ def test_time_limit_stops_at_the_first_step_past_it():
         now[0] = t
         assert not limit.on_step_end(None, state, control).should_training_stop
     now[0] = 130.0
-    assert limit.on_step_end(None, state, control).should_training_stop
+    stopped = limit.on_step_end(None, state, control)
+    assert stopped.should_training_stop and stopped.should_save  # a checkpoint of that step: a rerun resumes there
     with pytest.raises(ValueError, match="max_train_seconds"):
         DrafterTrainingArguments(output_dir="unused", max_train_seconds=0)

@@ -74,6 +74,23 @@ class DrafterTrainingArguments(TrainingArguments):
         default=0, metadata={"help": "Acceptance eval: this many EVAL prompts per set, τ measured with generate()."}
     )
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Acceptance eval: tokens generated per prompt."})
+    target_states_dtype: str | None = field(
+        default=None, metadata={"help": "Dtype of the frozen target's training forward (its states at the drafter's "
+                                        "layers and the teacher's logits), e.g. 'bfloat16': a copy of the target in "
+                                        "that dtype computes them (training signal only; the τ eval and any "
+                                        "verification use the target as loaded). Default: the target's own dtype."}
+    )
+    compile_target_states: bool = field(
+        default=False, metadata={"help": "torch.compile the decoder layers of the target copy that computes the "
+                                         "training states (dynamic shapes; a one-off compile of about a minute on "
+                                         "CPU, then its norms, rotary and activations run fused). The target that "
+                                         "the τ eval and verification use is never compiled."}
+    )
+    eval_prompts_from: str = field(
+        default="eval", metadata={"help": "Acceptance eval prompts: 'eval' (the drafter's EVAL sets) or 'held_out' "
+                                          "(prompts of its TRAIN sets whose responses were never regenerated, so never "
+                                          "trained on; the prompts scripts/tau_by_training.py measures)."}
+    )
     max_train_seconds: float | None = field(
         default=None, metadata={"help": "Stop once this many seconds of training steps have passed (the drafter, its "
                                         "state and card are then saved as at max_steps; max_steps still shapes the "
@@ -107,6 +124,11 @@ class DrafterTrainingArguments(TrainingArguments):
             raise ValueError(f"feature_mode must be 'online' or 'cached', got {self.feature_mode!r}")
         if self.feature_mode == "cached" and not self.feature_cache_dir:
             raise ValueError("feature_mode='cached' needs feature_cache_dir")
+        if self.target_states_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError("target_states_dtype must be float32, bfloat16 or float16, got "
+                             f"{self.target_states_dtype!r}")
+        if self.eval_prompts_from not in ("eval", "held_out"):
+            raise ValueError(f"eval_prompts_from must be 'eval' or 'held_out', got {self.eval_prompts_from!r}")
         if self.train_sets is None:
             self.train_sets = list(RECIPES[self.drafter_type])
         unknown = set(self.train_sets) - set(TRAIN_SETS)

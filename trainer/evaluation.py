@@ -11,6 +11,24 @@ from transformers import TrainerCallback
 from angelspec_hf.prompts import chat_input_ids, load_eval_prompts
 
 DOMAIN_EVAL_SETS = {"mtp": ("mt_bench",), "dflash": ("humaneval", "gsm8k"), "dfly": ("humaneval", "gsm8k")}
+HELD_OUT_SETS = {"mtp": ("sharegpt", "alpaca"), "dflash": ("gsm8k", "gpteacher_codegen"),
+                 "dfly": ("gsm8k", "gpteacher_codegen")}
+
+
+def held_out_prompts(sets, count: int, regenerated_dir) -> list[str]:
+    """`count` prompts, in equal parts from the TRAIN `sets`, whose responses are not in `regenerated_dir` (so no
+    drafter trained on them): the last ones of each set's fixed order that were never regenerated."""
+    from pathlib import Path
+
+    from .data import load_train_prompts
+    from .regenerated_files import read_records
+
+    seen = {rec["id"] for f in Path(regenerated_dir).glob("*.jsonl*") for rec in read_records(f)}
+    per_set = -(-count // len(sets))
+    prompts = []
+    for name in sets:
+        prompts += [p["prompt"] for p in load_train_prompts(name) if p["id"] not in seen][-per_set:]
+    return prompts[:count]
 
 
 @contextmanager
@@ -48,13 +66,21 @@ def measure_acceptance(target, drafter, tokenizer, prompts: list[str], max_new_t
 
 
 class AcceptanceEvalCallback(TrainerCallback):
-    """Every `eval_steps` (and at the end) logs `tau/<set>` for the drafter's EVAL sets (first `num_prompts`)."""
+    """Every `eval_steps` (and at the end) logs `tau/<set>` for the drafter's EVAL sets (first `num_prompts`), or with
+    `held_out`, `tau/held_out` (and `first/held_out`) over `num_prompts` held-out TRAIN prompts of its domain
+    (`held_out_prompts`, read from `regenerated_dir`), then also before the first step of a run that starts afresh."""
 
-    def __init__(self, trainer, tokenizer, num_prompts: int, max_new_tokens: int = 64, sets=None):
+    def __init__(self, trainer, tokenizer, num_prompts: int, max_new_tokens: int = 64, sets=None,
+                 held_out: bool = False, regenerated_dir=None):
         self.trainer, self.tokenizer = trainer, tokenizer
         self.max_new_tokens = max_new_tokens
-        sets = sets or DOMAIN_EVAL_SETS[trainer.args.drafter_type]
-        self.prompts = {name: load_eval_prompts(name, num_prompts) for name in sets}
+        self.at_start = held_out
+        if held_out:
+            sets = sets or HELD_OUT_SETS[trainer.args.drafter_type]
+            self.prompts = {"held_out": held_out_prompts(sets, num_prompts, regenerated_dir)}
+        else:
+            sets = sets or DOMAIN_EVAL_SETS[trainer.args.drafter_type]
+            self.prompts = {name: load_eval_prompts(name, num_prompts) for name in sets}
         self.last, self.last_step = {}, None
 
     def _evaluate(self, state):
@@ -67,6 +93,10 @@ class AcceptanceEvalCallback(TrainerCallback):
             result = measure_acceptance(self.trainer.target, drafter, self.tokenizer, prompts, self.max_new_tokens)
             self.last |= {f"tau/{name}": result["tau"], f"first/{name}": result["first"]}
         self.trainer.log(dict(self.last))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.at_start and state.global_step == 0:  # the starting drafter's τ: the curve's first point
+            self._evaluate(state)
 
     def on_step_end(self, args, state, control, **kwargs):
         if args.eval_steps and state.global_step % int(args.eval_steps) == 0:

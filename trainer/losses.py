@@ -51,12 +51,18 @@ def token_loss(logits, labels, weights, num_items, teacher_logits=None, kind: st
     (`teacher_logits`, same rows and columns as `logits`), or their sum."""
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss kind must be one of {LOSS_KINDS}, got {kind!r}")
-    loss = weighted_cross_entropy(logits, labels, weights, num_items) if "ce" in kind else 0.0
-    if "kl" in kind:
-        if teacher_logits is None:
-            raise ValueError(f"loss kind {kind!r} needs the target's logits")
-        loss = loss + weighted_distillation(logits, teacher_logits, weights, num_items)
-    return loss
+    if "kl" in kind and teacher_logits is None:
+        raise ValueError(f"loss kind {kind!r} needs the target's logits")
+    if kind == "ce":
+        return weighted_cross_entropy(logits, labels, weights, num_items)
+    if kind == "kl":
+        return weighted_distillation(logits, teacher_logits, weights, num_items)
+    # both terms from one student log-softmax (on a [M, V] head output it is the loss's largest cost after the head)
+    student = F.log_softmax(logits.float(), dim=-1)
+    ce = F.nll_loss(student, labels, reduction="none", ignore_index=-100)
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1)
+    return ((ce + kl) * weights).sum() / _as_count(num_items, ce)
 
 
 def block_diffusion_loss(logits, labels, rows: torch.LongTensor, gamma: float, num_items, teacher_logits=None,

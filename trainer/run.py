@@ -83,8 +83,9 @@ def parse_config_overrides(text: str | None, config_class) -> dict:
 
 
 class TimeLimit(TrainerCallback):
-    """Ends training at the first step that finishes `seconds` after training began (`max_train_seconds`); the
-    Trainer then stops as at `max_steps`, and `train` saves the drafter, its state and its card."""
+    """Ends training at the first step that finishes `seconds` after training began (`max_train_seconds`), with a
+    checkpoint of that step (so `--resume true` continues from exactly there); the Trainer then stops as at
+    `max_steps`, and `train` saves the drafter, its state and its card."""
 
     def __init__(self, seconds: float, clock=time.monotonic):
         self.seconds, self.clock, self.start = seconds, clock, None
@@ -94,7 +95,7 @@ class TimeLimit(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.clock() - self.start >= self.seconds:
-            control.should_training_stop = True
+            control.should_training_stop = control.should_save = True
             print(f"max_train_seconds: stopping after step {state.global_step} ({self.clock() - self.start:.0f} s)",
                   flush=True)
         return control
@@ -164,7 +165,9 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
         trainer.add_callback(TimeLimit(args.max_train_seconds))
     callback = None
     if args.eval_prompts:
-        callback = AcceptanceEvalCallback(trainer, tokenizer, args.eval_prompts, args.eval_max_new_tokens)
+        callback = AcceptanceEvalCallback(trainer, tokenizer, args.eval_prompts, args.eval_max_new_tokens,
+                                          held_out=args.eval_prompts_from == "held_out",
+                                          regenerated_dir=args.regenerated_dir)
         trainer.add_callback(callback)
     resume = args.resume_from_checkpoint
     if margs.resume and Path(args.output_dir).is_dir():
@@ -214,9 +217,22 @@ def _as_bool(value) -> bool | None:
     return None if value is None else string_to_bool(value)
 
 
+EXAMPLES = """\
+examples:
+  angelspec train --drafter_type dfly --output_dir runs/dfly --max_steps 2000 --per_device_train_batch_size 8
+  angelspec train --target ./my-model --regenerated_dir ./my-model-data --train_sets gsm8k code_alpaca \\
+      --drafter_type dfly --output_dir runs/my-dfly --max_steps 500
+  angelspec train recipe.yaml       # the same fields in a YAML or JSON file"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults beside each flag (HfArgumentParser's own choice), the examples as written."""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser((ModelArguments, DrafterTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DrafterTrainingArguments), prog="angelspec train", epilog=EXAMPLES,
+                              formatter_class=_HelpFormatter)
     if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
         import json
 

@@ -1,0 +1,213 @@
+"""The CPU training recipe's fast paths on a tiny random target (real tokenizer, real regenerated files): the teacher
+over a pruned vocabulary is the full teacher's columns, a bf16 copy of the target computes the training signal while
+the target itself stays as loaded, dropped padding anchors change no loss, length-grouped batches resume to the step,
+and the blocks count survives a resume."""
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from angelspec_hf import DFlyDrafter
+from angelspec_hf.trainer.arguments import DrafterTrainingArguments
+from angelspec_hf.trainer.data import load_train_prompts
+from angelspec_hf.trainer.dataset import DrafterCollator, load_regenerated
+from angelspec_hf.trainer.features import target_states
+from angelspec_hf.trainer.losses import token_loss, weighted_cross_entropy, weighted_distillation
+from angelspec_hf.trainer.regenerate import regenerate
+from angelspec_hf.trainer.trainer import DrafterTrainer, SeededLengthGroupedSampler, pack_blocks
+from helpers import tiny_chat_target
+
+SETS = ["gsm8k", "code_alpaca"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("regenerated")
+    target, tokenizer = tiny_chat_target()
+    for name in SETS:
+        regenerate(target, tokenizer, load_train_prompts(name)[:10], folder / f"{name}.jsonl", batch_size=10,
+                   max_new_tokens=24, max_prompt_tokens=200, progress=False)
+    return target, tokenizer, folder
+
+
+def make_drafter(target, vocab=None):
+    torch.manual_seed(1)
+    drafter = DFlyDrafter.from_target(target, block_size=4)
+    if vocab is not None:
+        drafter.set_draft_vocab(vocab)
+    return drafter
+
+
+def make_args(tmp_path, folder, **kw):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"), drafter_type="dfly", block_size=4, num_anchors=4, regenerated_dir=str(folder),
+        train_sets=SETS, per_device_train_batch_size=4, learning_rate=3e-3, max_steps=10, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", seed=0, data_seed=0, max_seq_length=192,
+        dataloader_num_workers=0, loss_kind="ce+kl",
+    )
+    return DrafterTrainingArguments(**(defaults | kw))
+
+
+def make_trainer(setup, args, drafter, callbacks=()):
+    target, tokenizer, folder = setup
+    dataset = load_regenerated(tokenizer, folder, args.train_sets, max_length=args.max_seq_length)
+    return DrafterTrainer(drafter, args, target, train_dataset=dataset,
+                          data_collator=DrafterCollator(tokenizer.pad_token_id), callbacks=list(callbacks))
+
+
+class Logs(TrainerCallback):
+    def __init__(self):
+        self.rows = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.rows[state.global_step] = logs
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+def test_ce_plus_kl_from_one_log_softmax_equals_the_two_terms():
+    torch.manual_seed(0)
+    student = torch.randn(7, 13, requires_grad=True)
+    teacher, weights = torch.randn(7, 13), torch.rand(7)
+    labels = torch.tensor([1, -100, 3, 4, 5, 12, 0])
+    both = token_loss(student, labels, weights, 9, teacher, kind="ce+kl")
+    (grad,) = torch.autograd.grad(both, student)
+    apart = weighted_cross_entropy(student, labels, weights, 9) + weighted_distillation(student, teacher, weights, 9)
+    (grad_apart,) = torch.autograd.grad(apart, student)
+    assert float(both.detach()) == pytest.approx(float(apart.detach()), rel=1e-6)
+    torch.testing.assert_close(grad, grad_apart)
+
+
+def test_pruned_teacher_logits_are_the_full_logits_columns(setup, tmp_path):
+    target, _, folder = setup
+    vocab = sorted({*range(3, 400, 3), 7, 11})
+    for dtype in (None, "bfloat16"):
+        trainer = make_trainer(setup, make_args(tmp_path, folder, target_states_dtype=dtype), make_drafter(target, vocab))
+        hidden = torch.randn(5, target.config.hidden_size)
+        full = target.get_output_embeddings()(hidden)[:, vocab]  # the fp32 target's logits, then its columns
+        head = trainer.teacher_head()
+        pruned = head(hidden.to(head.weight.dtype)).float()
+        assert pruned.shape == (5, len(vocab))
+        if dtype is None:
+            assert head is trainer.training_head()[0]
+            torch.testing.assert_close(pruned, full, rtol=0, atol=0)
+        else:
+            assert head.weight.dtype == torch.bfloat16
+            torch.testing.assert_close(pruned, full, rtol=0.02, atol=0.05)
+
+
+def test_bf16_states_come_from_a_copy_and_leave_the_target_as_loaded(setup, tmp_path):
+    target, tokenizer, folder = setup
+    args = make_args(tmp_path, folder, target_states_dtype="bfloat16")
+    trainer = make_trainer(setup, args, make_drafter(target))
+    assert trainer.target is target and target.dtype == torch.float32
+    assert trainer.states_target is not target and trainer.states_target.dtype == torch.bfloat16
+    batch = DrafterCollator(tokenizer.pad_token_id)([trainer.train_dataset[i] for i in range(4)])
+    layers = trainer._drafter.config.target_layer_ids
+    f32, _ = target_states(target, batch["input_ids"], batch["attention_mask"], layers)
+    b16, _ = target_states(trainer.states_target, batch["input_ids"], batch["attention_mask"], layers)
+    assert b16.dtype == torch.bfloat16
+    rel = ((b16.float() - f32).norm() / f32.norm()).item()
+    assert 0 < rel < 0.05
+    reference = make_trainer(setup, make_args(tmp_path / "f", folder), make_drafter(target))
+    with torch.no_grad():
+        fast = trainer.compute_loss(trainer.model, batch, num_items_in_batch=100).item()
+        exact = reference.compute_loss(reference.model, batch, num_items_in_batch=100).item()
+    assert fast != exact and fast == pytest.approx(exact, rel=0.02)
+
+
+def test_dropped_padding_anchors_change_no_loss(setup, tmp_path):
+    """Anchors past every row's eligible positions are dropped (A shrinks to the most real anchors of any row); the
+    loss is what the padded blocks gave, since they carried none."""
+    target, tokenizer, folder = setup
+    trainer = make_trainer(setup, make_args(tmp_path, folder, num_anchors=500), make_drafter(target))
+    batch = DrafterCollator(tokenizer.pad_token_id)([trainer.train_dataset[i] for i in range(4)])
+    block_ids, _, keep, labels, _, valid = pack_blocks(batch["input_ids"], batch["supervised"],
+                                                       batch["attention_mask"], batch["example_index"], 500, 4, 2, 0)
+    eligible = [int(s[2:].sum()) for s in batch["supervised"]]
+    assert labels.shape[1] == max(eligible) < 500 and block_ids.shape[1] == 4 * max(eligible)
+    assert valid.any(-1).sum(1).tolist() == eligible
+    with torch.no_grad():
+        many = trainer.compute_loss(trainer.model, batch, num_items_in_batch=100).item()
+        trainer.args.num_anchors = max(eligible)
+        exact = trainer.compute_loss(trainer.model, batch, num_items_in_batch=100).item()
+    assert many == pytest.approx(exact, rel=1e-6)
+
+
+def test_length_grouped_batches_are_seeded_by_epoch():
+    lengths = [5, 90, 12, 40, 41, 88, 7, 60, 61, 13, 89, 6] * 30
+    sampler = SeededLengthGroupedSampler(4, lengths, seed=3)
+    first = list(sampler)
+    assert sorted(first) == list(range(len(lengths))) and list(sampler) == first  # same epoch: same order
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    batches = [first[i:i + 4] for i in range(0, len(first), 4)]
+    spread = sum(max(lengths[j] for j in b) - min(lengths[j] for j in b) for b in batches) / len(batches)
+    assert spread < 10  # random batches of these lengths spread by ~60 tokens
+
+
+def test_fast_recipe_resumes_to_the_step(setup, tmp_path):
+    """Length-grouped batches, bf16 target states, many anchors: a run stopped mid-epoch and resumed logs what the
+    uninterrupted run logs at every later step, and its count of blocks seen continues."""
+    target = setup[0]
+    fast = dict(max_steps=9, save_strategy="steps", save_steps=4, train_sampling_strategy="group_by_length",
+                target_states_dtype="bfloat16", num_anchors=32)
+    full = Logs()
+    make_trainer(setup, make_args(tmp_path / "a", setup[2], **fast), make_drafter(target), [full]).train()
+    interrupted = make_args(tmp_path / "b", setup[2], **fast)
+    make_trainer(setup, interrupted, make_drafter(target), [StopAt(4)]).train()
+    resumed = Logs()
+    torch.manual_seed(123)
+    make_trainer(setup, interrupted, DFlyDrafter.from_target(target, block_size=4), [resumed]).train(
+        resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-4"))
+    assert sorted(resumed.rows) == list(range(5, 10))
+    for step in range(5, 10):
+        assert resumed.rows[step]["loss"] == pytest.approx(full.rows[step]["loss"], rel=1e-4)
+        assert resumed.rows[step]["blocks"] == full.rows[step]["blocks"]
+    assert full.rows[9]["blocks"] > full.rows[1]["blocks"] > 0
+
+
+def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
+    """`scripts/tau_by_training.py --from-logs`: the held-out τ a run logged, against blocks seen (with the starting
+    drafter's blocks added), fitted as τ = a + b·ln(blocks) and solved for τ 3 and 4."""
+    import importlib.util
+    import json
+    import math
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "tau_by_training.py"
+    spec = importlib.util.spec_from_file_location("tau_by_training", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    history = [{"loss": 2.0, "step": 10, "blocks": 5000, "blocks_per_second": 100.0}]
+    for step, blocks in ((250, 100_000), (500, 200_000), (750, 300_000), (1000, 400_000)):
+        tau = 1.0 + 0.25 * math.log(blocks + 1_000_000)
+        history += [{"loss": 1.0, "step": step, "blocks": blocks, "blocks_per_second": 120.0},
+                    {"tau/held_out": tau, "first/held_out": 0.5, "step": step, "blocks": blocks}]
+    run = tmp_path / "run"
+    (run / "checkpoint-500").mkdir(parents=True)
+    (run / "checkpoint-500" / "trainer_state.json").write_text(json.dumps({"global_step": 500,
+                                                                          "log_history": history[:5]}))
+    (run / "checkpoint-1000").mkdir()
+    (run / "checkpoint-1000" / "trainer_state.json").write_text(json.dumps({"global_step": 1000,
+                                                                           "log_history": history}))
+    result = script.from_logs(run, tmp_path / "out", blocks_before=1_000_000)
+    assert [r["step"] for r in result["rows"]] == [250, 500, 750, 1000]  # the newest checkpoint's history
+    assert result["rows"][0]["blocks"] == 1_100_000
+    assert result["fit"]["a"] == pytest.approx(1.0) and result["fit"]["b"] == pytest.approx(0.25)
+    assert result["goals"]["3.0"]["blocks"] == pytest.approx(math.exp(8.0), rel=1e-6)
+    assert result["blocks_per_second"] == 120.0  # the median logged
+    assert result["goals"]["4.0"]["cpu_hours"] == pytest.approx(math.exp(12.0) / 120.0 / 3600, rel=1e-6)
+    assert (tmp_path / "out" / "tau_by_compute.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert script.blocks_for(3.0, 2.0, -0.1) is None  # a falling fit reaches no goal
+    with pytest.raises(ValueError, match="two or more"):
+        script.fit_log_curve([10, 10], [1.5, 1.6])
