@@ -360,7 +360,9 @@ def bench_main(args) -> int:
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="methods side by side: τ, tokens/s, speed-up, greedy identity")
+    bench = sub.add_parser("bench", help="methods side by side: τ, tokens/s, speed-up",
+                           description="Speculative methods side by side on the same prompts, interleaved in one run: "
+                           "τ, tokens/s, speed-up over plain generate and greedy identity, as a table, JSON and plots.")
     bench.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     bench.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
     bench.add_argument("--drafters", default="",

@@ -42,11 +42,33 @@ def _time_generate(target, input_ids, **kwargs):
     return out, clock(target.device) - start
 
 
+def accepted_length_summary(runs) -> str:
+    """The mean accepted length τ of `angelspec generate`'s speculative runs (their `SpeculationStats`), pooled over
+    their verification rounds. A round verifies the drafter's block or, with `lookup_tokens`, an n-gram lookup; where
+    no round verified a drafter's block (every step plain, or every round a lookup) it says "no drafter rounds" instead
+    of a τ over nothing, followed by the lookups' τ when there were any."""
+    from angelspec_hf.modeling.candidate_generator import mean_accepted_length
+
+    rounds = sum(s.rounds for s in runs)
+    lookups = sum(s.lookup_rounds for s in runs)
+    plain = sum(s.plain_steps for s in runs)
+    tau = mean_accepted_length(sum(sum(s.accepted) for s in runs), rounds)
+    where = f"in {len(runs)} run{'s' if len(runs) != 1 else ''}"
+    plain_steps = f"{plain} plain step{'s' if plain != 1 else ''}, where drafting was not expected to pay"
+    if rounds > lookups:
+        text = f"{tau:.2f} tokens per target forward (bonus token included), over {rounds} rounds {where}"
+        text += f" ({lookups} of them n-gram lookups)" if lookups else ""
+        return text + (f"; {plain_steps}" if plain else "")
+    text = f"no drafter rounds {where}" + (f" ({plain_steps})" if plain else "")
+    if lookups:
+        return text + f"; n-gram lookups: {tau:.2f} tokens per target forward over {lookups} rounds"
+    return text + "; no n-gram lookups either"
+
+
 def cmd_generate(args) -> int:
     import torch
 
     import angelspec_hf
-    from angelspec_hf.modeling import DRAFTERS
     from angelspec_hf.prompts import chat_input_ids
 
     torch.set_num_threads(args.threads)
@@ -54,50 +76,58 @@ def cmd_generate(args) -> int:
     print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} on {args.device} "
           f"({str(args.dtype).removeprefix('torch.')}) ...", flush=True)
     target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
-    from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained
+    from angelspec_hf.shipped import NGRAM_LOOKUP_TOKENS, pick_drafter
 
-    if args.drafter in DRAFTERS:
-        why = []
-        drafter, trained = shipped_or_untrained(args.drafter, target, why=why)
-        if trained:
-            print(f"drafter: {why[0]}")
-        else:
-            print(
-                f"NOTE: this {args.drafter} drafter is UNTRAINED (random weights): {why[0]}. Expect a mean "
-                "accepted length near 1 and a slow-down. The output is still identical to plain generate, which "
-                "is what this run checks."
-            )
+    if args.drafter == "none":
+        print("angelspec generate: error: --drafter none has nothing to compare; name a drafter", file=sys.stderr)
+        return 2
+    choice = pick_drafter(args.drafter, target)
+    drafter = choice.drafter
+    if choice.kind == "lookup":
+        print(f"NOTE: {choice.note}.")
+    elif choice.kind == "untrained":
+        print(f"NOTE: {choice.note}: expect a mean accepted length near 1 and a slow-down. The output is still "
+              "identical to plain generate, which is what this run checks.")
     else:
-        drafter = drafter_for_target(args.drafter, target)
+        print(f"drafter: {choice.note}")
+    # n-gram lookup runs on transformers' own prompt-lookup path; a drafter through the generate() hook
+    speculate = ({"assistant_model": drafter} if drafter is not None
+                 else {"prompt_lookup_num_tokens": NGRAM_LOOKUP_TOKENS})
     kernels = use_linear_kernels(args.linear_kernels, target, drafter)
     input_ids = chat_input_ids(tokenizer, args.prompt, device=target.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     _time_generate(target, input_ids[:, :8], max_new_tokens=4, do_sample=False)  # warm-up, both paths
-    _time_generate(target, input_ids[:, :8], max_new_tokens=4, do_sample=False, assistant_model=drafter)
-    plain_times, spec_times, taus = [], [], []
+    _time_generate(target, input_ids[:, :8], max_new_tokens=4, do_sample=False, **speculate)
+    plain_times, spec_times, runs = [], [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine state
         plain, t_plain = _time_generate(target, input_ids, **kwargs)
-        spec, t_spec = _time_generate(target, input_ids, assistant_model=drafter, **kwargs)
+        spec, t_spec = _time_generate(target, input_ids, **speculate, **kwargs)
         plain_times.append(t_plain)
         spec_times.append(t_spec)
-        taus.append(drafter.last_speculation_stats.mean_accepted_length)
+        if drafter is not None:
+            runs.append(drafter.last_speculation_stats)
         if not torch.equal(plain, spec):
             print("ERROR: speculative output differs from plain greedy output")
             return 1
     new_tokens = spec.shape[1] - input_ids.shape[1]
     t_plain, t_spec = statistics.median(plain_times), statistics.median(spec_times)
-    block = getattr(drafter.config, "block_size", None) or drafter.num_draft_tokens + 1
     print("\n--- generated text ---")
     print(tokenizer.decode(spec[0, input_ids.shape[1]:], skip_special_tokens=True))
     print("--- speculative decoding ---")
-    print(f"drafter            : {type(drafter).__name__} ({args.drafter}), {drafter.num_draft_tokens} draft tokens "
-          f"per round (block {block})")
-    print(f"setting            : greedy (temperature 0), {new_tokens} new tokens, median of {args.repeats} runs, "
+    if drafter is None:
+        print(f"drafter            : none trained for this target: n-gram lookup, up to {NGRAM_LOOKUP_TOKENS} tokens "
+              "per round (transformers' prompt lookup)")
+    else:
+        block = getattr(drafter.config, "block_size", None) or drafter.num_draft_tokens + 1
+        print(f"drafter            : {type(drafter).__name__} ({args.drafter}), {drafter.num_draft_tokens} draft "
+              f"tokens per round (block {block})")
+    timed = f"median of {args.repeats} runs" if args.repeats > 1 else "1 run"
+    print(f"setting            : greedy (temperature 0), {new_tokens} new tokens, {timed}, "
           f"{describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU threads")
     print(f"linear kernels     : {kernels}, for both")
     print(f"identical to plain : yes ({args.repeats}/{args.repeats} runs)")
-    print(f"mean accepted len  : {statistics.median(taus):.2f} tokens per target forward (bonus token included)")
+    print(f"mean accepted len  : {accepted_length_summary(runs) if runs else 'not reported by prompt lookup'}")
     print(f"plain generate     : {new_tokens / t_plain:.1f} tok/s ({t_plain:.2f} s)")
     print(f"speculative        : {new_tokens / t_spec:.1f} tok/s ({t_spec:.2f} s)")
     print(f"speed-up           : {t_plain / t_spec:.2f}x")
@@ -133,8 +163,7 @@ def cmd_serve(args) -> int:
     import torch
 
     import angelspec_hf
-    from angelspec_hf.modeling import DRAFTERS
-    from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained
+    from angelspec_hf.shipped import NGRAM_LOOKUP_TOKENS, pick_drafter
     from angelspec_hf.tgi_patch.engine import SpeculativeEngine
     from angelspec_hf.tgi_patch.server import create_app, serve
 
@@ -142,25 +171,20 @@ def cmd_serve(args) -> int:
     model_id = args.target or angelspec_hf.targets.DEFAULT_TARGET
     print(f"loading target: {model_id} on {args.device} ({str(args.dtype).removeprefix('torch.')}) ...", flush=True)
     target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
-    trained = True
-    if args.drafter == "none":
-        drafter = None
-    elif args.drafter in DRAFTERS:
-        why = []
-        drafter, trained = shipped_or_untrained(args.drafter, target, why=why)
-        if trained:
-            print(f"drafter: {why[0]}")
-        else:
-            print(f"NOTE: this {args.drafter} drafter is UNTRAINED (random weights): {why[0]}. Outputs are still the "
-                  "target's own, but expect a slow-down (the cost model falls back to plain steps).")
-    else:
-        drafter = drafter_for_target(args.drafter, target)
+    choice = pick_drafter(args.drafter, target)
+    drafter, trained = choice.drafter, choice.kind in ("trained", "given")
+    if choice.kind in ("lookup", "untrained"):
+        print(f"NOTE: {choice.note}" + (": outputs are still the target's own, but expect a slow-down."
+                                       if choice.kind == "untrained" else "."))
+    elif choice.kind != "none":
+        print(f"drafter: {choice.note}")
     kernels = use_linear_kernels(args.linear_kernels, target, drafter)
     print(f"linear kernels: {kernels}")
     if args.verify == "auto":
         print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)
     engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size,
-                               kv_cache_tokens=args.kv_cache_tokens)
+                               kv_cache_tokens=args.kv_cache_tokens,
+                               lookup_tokens=NGRAM_LOOKUP_TOKENS if choice.kind == "lookup" else None)
     max_total = min(args.max_total_tokens, engine.max_total_tokens)
     app = create_app(
         engine, tokenizer, model_id,
@@ -168,7 +192,8 @@ def cmd_serve(args) -> int:
         max_total_tokens=max_total, max_concurrent_requests=args.max_concurrent_requests,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
         max_payload_bytes=args.payload_limit, max_client_batch_size=args.max_client_batch_size,
-        info_extra={"angelspec": {"drafter": args.drafter, "drafter_trained": trained, "verify": args.verify,
+        info_extra={"angelspec": {"drafter": "ngram-lookup" if choice.kind == "lookup" else args.drafter,
+                                  "drafter_trained": trained, "verify": args.verify,
                                   "max_batch_size": args.max_batch_size, "linear_kernels": kernels,
                                   "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}},
     )
@@ -248,42 +273,97 @@ def cmd_export(args) -> int:
     return 0 if same else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="angelspec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="speculative generation vs plain generate, side by side")
+# The example that ends each command's --help (argparse epilog); tests/test_cli.py parses every `angelspec` line.
+EXAMPLES = {
+    None: """\
+examples:
+  angelspec install-drafters     # in a checkout, once: the shipped drafters into the local HF cache
+  angelspec generate             # the DFly drafter on the embedded SmolLM2-135M-Instruct, beside plain generate
+  angelspec generate --target ./my-model --drafter ./runs/my-dfly
+  angelspec serve --drafter dfly --port 8080""",
+    "generate": """\
+examples:
+  angelspec generate                                  # DFly on the embedded SmolLM2-135M-Instruct
+  angelspec generate --drafter mtp --prompt "Tell me about the moon." --max-new-tokens 128
+  angelspec generate --target ./my-model --drafter ./runs/my-dfly --repeats 1""",
+    "regenerate": """\
+examples:
+  angelspec regenerate --sets gsm8k,code_alpaca --limit 512
+  angelspec regenerate --target ./my-model --sets gsm8k --limit 64 --max-new-tokens 128 --out ./my-model-data""",
+    "serve": """\
+examples:
+  angelspec serve --drafter dfly --port 8080
+  curl -s 127.0.0.1:8080/generate -H 'Content-Type: application/json' \\
+       -d '{"inputs": "What is 12 * 7?", "parameters": {"max_new_tokens": 32}}'""",
+    "demo": """\
+example:
+  angelspec demo --port 7860     # then open http://127.0.0.1:7860""",
+    "install-drafters": """\
+examples:
+  angelspec install-drafters                                   # drafters/ of this checkout
+  angelspec install-drafters --from path/to/drafters --families dfly""",
+    "export": """\
+examples:
+  angelspec export dflash --format zlab --out ./dflash-zlab     # vLLM's and SGLang's DFlash layout
+  angelspec export ./runs/my-mtp-eagle3 --format eagle3 --out ./mtp-eagle3""",
+    "bench": """\
+examples:
+  angelspec bench --methods ar,prompt_lookup,dfly --sets humaneval --prompts-per-set 2 --temperatures 0
+  angelspec bench --drafters dfly=./runs/my-dfly --methods ar,dfly --out ./bench-mine""",
+    "prune-vocab": """\
+example:
+  angelspec prune-vocab --drafter dfly --size 8192 --out ./dfly-8k""",
+}
+
+
+class _CommandsFormatter(argparse.RawDescriptionHelpFormatter):
+    """The top-level help: the examples as written, and each command's help on its own line beside it (before Python
+    3.13 argparse measures sub-commands one indent short, which pushed the help of `install-drafters` to a line of its
+    own)."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        if isinstance(action.choices, dict):  # the sub-commands
+            longest = max(map(len, action.choices)) + self._current_indent + self._indent_increment
+            self._action_max_length = max(self._action_max_length, longest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `angelspec` parser: one subcommand per job, each `--help` ending with an example (`EXAMPLES`). `train`
+    is parsed by `angelspec_hf.trainer.run` (every `TrainingArguments` flag)."""
+    from angelspec_hf.bench import add_bench_parser
+    from angelspec_hf.draft_vocab import add_prune_vocab_parser
+
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="angelspec", formatter_class=_CommandsFormatter, epilog=EXAMPLES[None],
+        description="Lossless speculative decoding for Hugging Face causal LMs with trained drafters (MTP, DFlash, "
+                    "DFly).\nEvery command that runs a model takes --device (auto: cuda when a GPU is visible, else "
+                    "cpu)\nand --dtype (auto: float32 on cpu, bfloat16 on cuda). `angelspec COMMAND --help` for more.")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="speculative vs plain generate, side by side",
+                         description="Speculative generation beside plain greedy generate on the same prompt, "
+                         "interleaved: the text, the mean accepted length and the speed-up; fails if the outputs "
+                         "differ.")
     gen.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--drafter", default="dfly",
                      help="mtp | dflash | dfly (the shipped drafter, by Hub id from the HF cache or from this checkout; "
-                     "untrained, with the reason, where none is found) or a folder/id")
+                     "where none fits the target, n-gram lookup, with the reason) | untrained[:FAMILY] (random "
+                     "weights, for experiments) | a folder/id")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--repeats", type=int, default=3)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64)
+    gen.add_argument("--repeats", type=positive_int, default=3, help="runs of each; the times are their medians")
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     gen.add_argument("--seed", type=int, default=0)
     add_device_arguments(gen)
     add_linear_kernels_argument(gen)
     gen.set_defaults(func=cmd_generate)
-    inst = sub.add_parser("install-drafters", help="put the shipped drafters into the local HF cache under their "
-                          "Hub ids (offline), where `generate`, `serve`, `bench` and the demo find them")
-    inst.add_argument("--from", dest="source", default=None,
-                      help="folder holding smollm2-135m-instruct-{mtp,dflash,dfly}/ (default: drafters/ of this "
-                      "checkout; the weights its weights.json lists are first written from git)")
-    inst.add_argument("--cache-dir", default=None,
-                      help="HF hub cache (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
-    inst.add_argument("--families", default="mtp,dflash,dfly")
-    inst.set_defaults(func=cmd_install_drafters)
-    exp = sub.add_parser("export", help="a drafter in the layout vLLM and SGLang serve (z-lab DFlash or EAGLE-3)")
-    exp.add_argument("drafter", nargs="?", default=None,
-                     help="folder or Hub id, or mtp | dflash (the shipped one; default: the format's family)")
-    exp.add_argument("--format", choices=("zlab", "eagle3"), default="zlab",
-                     help="zlab: a DFlash drafter (default); eagle3: an MTP drafter trained with layout=eagle3")
-    exp.add_argument("--target", default=None,
-                     help="eagle3: the target whose LM head the export carries (default: the embedded SmolLM2)")
-    exp.add_argument("--out", required=True, help="output folder")
-    exp.set_defaults(func=cmd_export)
-    reg = sub.add_parser("regenerate", help="the target's own responses to TRAIN prompts (resumable; "
-                         "<set>.jsonl.gz, or the <set>.jsonl already there)")
+
+    reg = sub.add_parser("regenerate", help="the target's own replies to TRAIN prompts",
+                         description="The target's own responses to TRAIN prompts, the drafters' training data "
+                         "(self-distillation): resumable, written to <out>/<set>.jsonl.gz (or appended to the "
+                         "<set>.jsonl already there).")
     reg.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     reg.add_argument("--sets", default="code_alpaca,gsm8k,gpteacher_codegen,sharegpt,alpaca")
     reg.add_argument("--out", default=None, help="output folder (default: data/regenerated/<target>)")
@@ -298,10 +378,19 @@ def main(argv=None) -> int:
     reg.add_argument("--seed", type=int, default=0)
     add_device_arguments(reg)
     reg.set_defaults(func=cmd_regenerate)
-    srv = sub.add_parser("serve", help="TGI-compatible HTTP server on the batched speculative engine (D-Cut)")
+
+    train = sub.add_parser("train", help="train a drafter (every TrainingArguments flag)", add_help=False)
+    train.set_defaults(func=None)
+    add_prune_vocab_parser(sub)
+    add_bench_parser(sub)
+
+    srv = sub.add_parser("serve", help="TGI-compatible HTTP server, batched, with D-Cut",
+                         description="A TGI-compatible HTTP server on the batched speculative engine: continuous "
+                         "batching, D-Cut verification budgets, streaming.")
     srv.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     srv.add_argument("--drafter", default="dfly",
-                     help="mtp | dflash | dfly (the shipped one, else untrained) | none | a drafter folder/id")
+                     help="mtp | dflash | dfly (the shipped one; n-gram lookup where none fits the target) | "
+                     "untrained[:FAMILY] (for experiments) | none | a drafter folder/id")
     srv.add_argument("--verify", default="auto", help="auto (D-Cut + cost model) | N (budget per step) | depth:K")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
@@ -319,20 +408,48 @@ def main(argv=None) -> int:
     add_device_arguments(srv)
     add_linear_kernels_argument(srv)
     srv.set_defaults(func=cmd_serve)
-    demo = sub.add_parser("demo", help="the Gradio Space, locally: plain vs speculative generation, live")
+
+    demo = sub.add_parser("demo", help="the Gradio Space, locally",
+                          description="The Gradio Space, locally: plain and speculative generation side by side, "
+                          "live.")
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=None, help="default: 7860, or the next free port")
     demo.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     demo.add_argument("--share", action="store_true", help="a temporary public gradio.live link")
     add_device_arguments(demo)
     demo.set_defaults(func=cmd_demo)
-    from angelspec_hf.bench import add_bench_parser
-    from angelspec_hf.draft_vocab import add_prune_vocab_parser
 
-    add_bench_parser(sub)
-    add_prune_vocab_parser(sub)
-    train = sub.add_parser("train", help="train a drafter (all TrainingArguments flags; see --help)", add_help=False)
-    train.set_defaults(func=None)
+    inst = sub.add_parser("install-drafters", help="the shipped drafters into the local HF cache",
+                          description="Put the shipped drafters into the local HF cache under their Hub ids "
+                          "(offline), where `generate`, `serve`, `bench` and the demo find them.")
+    inst.add_argument("--from", dest="source", default=None,
+                      help="folder holding smollm2-135m-instruct-{mtp,dflash,dfly}/ (default: drafters/ of this "
+                      "checkout; the weights its weights.json lists are first written from git)")
+    inst.add_argument("--cache-dir", default=None,
+                      help="HF hub cache (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    inst.add_argument("--families", default="mtp,dflash,dfly")
+    inst.set_defaults(func=cmd_install_drafters)
+
+    exp = sub.add_parser("export", help="a drafter in vLLM's and SGLang's layout",
+                         description="A drafter in the layout vLLM and SGLang serve (z-lab DFlash or EAGLE-3), "
+                         "checked to load back unchanged.")
+    exp.add_argument("drafter", nargs="?", default=None,
+                     help="folder or Hub id, or mtp | dflash (the shipped one; default: the format's family)")
+    exp.add_argument("--format", choices=("zlab", "eagle3"), default="zlab",
+                     help="zlab: a DFlash drafter (default); eagle3: an MTP drafter trained with layout=eagle3")
+    exp.add_argument("--target", default=None,
+                     help="eagle3: the target whose LM head the export carries (default: the embedded SmolLM2)")
+    exp.add_argument("--out", required=True, help="output folder")
+    exp.set_defaults(func=cmd_export)
+
+    for name, command in sub.choices.items():  # bench and prune-vocab are built beside their code
+        if name in EXAMPLES:
+            command.formatter_class, command.epilog = raw, EXAMPLES[name]
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":

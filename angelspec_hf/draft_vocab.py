@@ -110,7 +110,7 @@ def cmd_prune_vocab(args) -> int:
 
 
 def add_prune_vocab_parser(sub) -> None:
-    p = sub.add_parser("prune-vocab", help="a drafter that drafts over the most frequent target tokens only")
+    p = sub.add_parser("prune-vocab", help="draft over the most frequent target tokens only")
     p.add_argument("--drafter", default="dfly", help="mtp|dflash|dfly (shipped) or a folder / Hub id")
     p.add_argument("--target", default=None)
     p.add_argument("--size", type=int, default=8192, help="number of target token ids kept")

@@ -1,4 +1,4 @@
-"""Is sampling through the batched engine exact under every verify mode? Issue #11's experiment, through the public
+"""Is sampling through the batched engine exact under every verify mode? The exactness experiment, through the public
 API (`angelspec_hf.generate_batch`).
 
 The target is a tiny Llama whose next-token distribution is p = (0.5, 0.5) after every context (its final norm zeroes

@@ -1,4 +1,4 @@
-"""The end-to-end alignment check of issue #13 on the real target: train a drafter on a handful of regenerated
+"""The end-to-end alignment check on the real target: train a drafter on a handful of regenerated
 sequences until it can memorise them, then draft for exactly those prompts. If features, labels, positions, anchors or
 the chat template were off by one anywhere between regeneration, training and drafting, τ stays far below the block.
 

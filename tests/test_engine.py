@@ -372,7 +372,7 @@ def test_eos_and_events(targets):
 # the linear CostModel the best budget never looks past a position, so that rule is lossless there; it is caught by
 # test_auto_selection_of_a_sampled_position_ignores_its_later_positions under GPU-like tiled costs.)
 class OldConfidenceEngine(SpeculativeEngine):
-    """Issue 11's rule: D-Cut ranks a sampled position by q of the token actually drafted there."""
+    """The rule: D-Cut ranks a sampled position by q of the token actually drafted there."""
 
     def draft_confidence(self, probs, token):
         return probs.gather(1, token[:, None]).squeeze(1)
@@ -388,7 +388,7 @@ class PlanFromRealKeysEngine(SpeculativeEngine):
 
 class WidthFromRealKeysEngine(SpeculativeEngine):
     """"auto" drafts as wide as the sampled rows' real later acceptance says (it depends on the drawn tokens), while
-    planning the verification right: the engine before session 37."""
+    planning the verification right: an earlier engine."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -546,7 +546,7 @@ def test_verification_sees_the_processed_drafter_distribution(spread, monkeypatc
 
 
 def test_draft_confidence_does_not_look_at_the_drafted_token():
-    """D-Cut's confidence in a sampled position is known before its token is drawn (issue 11)."""
+    """D-Cut's confidence in a sampled position is known before its token is drawn."""
     engine = SpeculativeEngine.__new__(SpeculativeEngine)  # the rule needs no model
     probs = torch.softmax(torch.randn(64, 7, generator=torch.Generator().manual_seed(0)) * 2, -1)
     confidences = {tuple(engine.draft_confidence(probs, torch.full((64,), t)).tolist()) for t in range(7)}
@@ -614,7 +614,7 @@ def test_auto_selection_of_a_sampled_position_ignores_its_later_positions(target
     """Whether D-Cut verifies a sampled row's position k may not depend on the confidences of its positions after k,
     nor may what other sampled rows verify. Planning with the real later keys (`PlanFromRealKeysEngine`) is caught
     under a fixed budget with either cost (the ranking shares the budget between rows, which lets requests with one
-    seed steer each other; session 37), and in "auto" with tiled, GPU-like costs (with a linear cost the best budget
+    seed steer each other), and in "auto" with tiled, GPU-like costs (with a linear cost the best budget
     cannot look ahead along a row). The drafting width's part: `test_auto_drafts_a_sampled_row_as_wide_as_its_plan`."""
     model = MARGINAL_COST if cost == "linear" else TiledCost(tile=4, per_tile=0.6)
     target = targets[0]
@@ -627,7 +627,7 @@ def test_auto_selection_of_a_sampled_position_ignores_its_later_positions(target
 
 def test_auto_drafts_a_sampled_row_as_wide_as_its_plan(targets):
     """How wide "auto" drafts may not follow a sampled row's confidences after its first position: the width sets
-    the budget and with it which of the row's positions are verified (found in review, session 37). One sampled row
+    the budget and with it which of the row's positions are verified (found in review). One sampled row
     with confidences 0.75, 0.45, x, ...: drafted by its real confidences the block stops after 3 positions when x is
     low and runs on when x is high, and its position 1 (survival 0.34) is verified only in the second case, i.e.
     depending on the token drawn at position 1, which x follows. Planned from its first position, the width and the

@@ -1,4 +1,4 @@
-"""The package's import graph has no cycle (issue 14): every `import` between this repository's modules, at module
+"""The package's import graph has no cycle: every `import` between this repository's modules, at module
 level or inside a function, is an edge, and the graph over `angelspec_hf`, `modeling/`, `trainer/` and `tgi_patch/`
 (installed as `angelspec_hf.modeling`, ... by pyproject.toml's `package-dir`) must be acyclic. Read with `ast`, so
 nothing is imported and optional dependencies (triton, fastapi) need not be installed."""

@@ -1,4 +1,4 @@
-"""End-to-end alignment of regeneration → training → drafting (issue #13, item 1): a drafter of each family trained
+"""End-to-end alignment of regeneration → training → drafting: a drafter of each family trained
 on two regenerated sequences of an unskewed tiny target (varied replies) must memorise them, i.e. draft for exactly
 those prompts with τ near its block. Any off-by-one between the regenerated ids, the chat template, the features,
 labels, positions or anchors of training and those of drafting keeps τ near 1 (`scripts/mutation_check.py` shifts the

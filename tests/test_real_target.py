@@ -61,7 +61,7 @@ def test_the_cached_embedded_target_is_the_gguf(tmp_path, monkeypatch):
             gguf_tok.apply_chat_template(chat, add_generation_prompt=True)
 
 
-@pytest.mark.parametrize("index,cls", enumerate([MTPDrafter, DFlashDrafter, DFlyDrafter]))
+@pytest.mark.parametrize("index,cls", list(enumerate([MTPDrafter, DFlashDrafter, DFlyDrafter])))
 def test_greedy_identity_on_real_prompts(real, index, cls):
     """Every family, whole blocks drafted and verified every round, on a third of the prompts each (chat, code and
     math for every family; all ten prompts across the three)."""
