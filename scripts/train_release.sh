@@ -24,9 +24,9 @@
 # training forward on a bf16 copy with compiled decoder layers (half the fp32 forward's time; teacher argmax agrees on
 # 99.4% of positions; the τ eval and verification use the fp32 target), the drafter under bf16 autocast. No cache to
 # build first. Measured side by side, interleaved, from the shipped DFly on the same TRAIN data with 2 threads
-# (`python benchmarks/train_throughput.py --threads 2 --rounds 2 --steps 4`): 10.8 training blocks/s against 6.6
-# (1.64x) with the 2 cores shared with other jobs (load 6-13), where the baseline's step took 39 s instead of 4.1 s;
-# part by part on one batch, about 3.2x fewer seconds per block (docs/training.md). Held-out τ (12 held-out TRAIN
+# (`python benchmarks/train_throughput.py --threads 2 --rounds 3 --steps 4 --init drafters/smollm2-135m-instruct-dfly`,
+# nothing else running): 144.8 training blocks/s against 75.4 (1.92x), each step as long as before with twice the
+# blocks (docs/training.md). Held-out τ (12 held-out TRAIN
 # prompts, the ones scripts/tau_by_training.py measures) is logged as tau/held_out before the first step and every
 # 250 steps, with the blocks seen so far; `scripts/tau_by_training.py --from-logs <OUT>/dfly` draws and extrapolates it.
 # MAX_SECONDS=N ends a run after N seconds of training with a checkpoint of its last step; rerunning the same command
