@@ -69,4 +69,14 @@ def generate_batch(target, drafter, prompts, **kwargs):
     return _generate_batch(target, drafter, prompts, **kwargs)
 
 
-__all__ += ["generate_batch"]
+def __getattr__(name):
+    """`angelspec_hf.EngineConfig`, the batched engine's settings, imported on first use (the engine needs torch
+    kernels that `import angelspec_hf` does not load)."""
+    if name == "EngineConfig":
+        from angelspec_hf.tgi_patch.engine import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ += ["EngineConfig", "generate_batch"]

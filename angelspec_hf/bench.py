@@ -20,7 +20,7 @@ import torch
 
 from angelspec_hf.cpu_kernels import add_linear_kernels_argument, stock_linears, use_linear_kernels
 from angelspec_hf.devices import add_device_arguments, describe_device
-from angelspec_hf.modeling.draft_policy import clock
+from angelspec_hf.policy import clock
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
 

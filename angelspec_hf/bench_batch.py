@@ -23,7 +23,7 @@ import torch
 
 from angelspec_hf.devices import describe_device
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
-from angelspec_hf.modeling.draft_policy import clock
+from angelspec_hf.policy import clock
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 
 

@@ -2,7 +2,8 @@
 printing the text, the mean accepted length and the speed-up over plain `generate`, measured side by side.
 `angelspec regenerate` writes the target's own responses to TRAIN prompts (self-distillation data).
 `angelspec prune-vocab` gives a drafter a pruned draft vocabulary (the target's most frequent reply tokens).
-`angelspec serve` runs a TGI-compatible HTTP server on the batched speculative engine.
+`angelspec serve` runs a TGI-compatible HTTP server on the batched speculative engine; its flags are the fields of
+`ServeConfig` and its `EngineConfig` (`add_config_arguments`).
 `angelspec demo` runs the Gradio Space (`spaces_demo/app.py`) locally.
 `angelspec install-drafters` puts the shipped drafters into the local HF cache, where the commands above find them.
 Every command that runs a model takes `--device` (auto: cuda when a GPU is visible, else cpu) and `--dtype` (auto:
@@ -11,9 +12,11 @@ float32 on cpu, bfloat16 on cuda); see `angelspec_hf.devices`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
+import typing
 from pathlib import Path
 
 from angelspec_hf.cpu_kernels import add_linear_kernels_argument, use_linear_kernels
@@ -33,9 +36,71 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _flag_type(kind, low=None):
+    """argparse type: a value of `kind` (int, float or str), at least `low` when given (so a bad value is refused
+    before any model loads, naming its flag)."""
+    if kind is str:
+        return str
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _config_fields(cls):
+    """`(field, annotation's types other than None)` per field of the dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield f, tuple(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None))
+
+
+def add_config_arguments(parser, cls, title: str | None = None) -> None:
+    """One flag per field of the dataclass `cls` (`EngineConfig`, `ServeConfig`): `--field-name` (and the aliases in
+    `metadata["flags"]`), its help `metadata["help"]` with the default, its type the annotation's (a bool is
+    `--x/--no-x`; `int | None` takes an int and defaults to None; `metadata["min"]` and `["choices"]` are checked as
+    the value is parsed). A field that is itself a dataclass adds its own fields, in a group of their own;
+    `config_from_args` builds the config back."""
+    group = parser.add_argument_group(title) if title else parser
+    nested = []
+    for f, kinds in _config_fields(cls):
+        if dataclasses.is_dataclass(kinds[0]):
+            nested.append((f, kinds[0]))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
+        text = f.metadata["help"].replace("%", "%%")
+        if default is not None and "default" not in text:
+            text += f" (default: {({True: 'on', False: 'off'}.get(default, default))})"
+        if bool in kinds:
+            group.add_argument(*flags, dest=f.name, default=default, help=text,
+                               action=argparse.BooleanOptionalAction)
+            continue
+        kind = next((k for k in (str, float, int) if k in kinds), str)
+        group.add_argument(*flags, dest=f.name, default=default, help=text, choices=f.metadata.get("choices"),
+                           type=_flag_type(kind, f.metadata.get("min")),
+                           metavar=f.metadata.get("metavar", "N" if kind is not str else None))
+    for f, sub in nested:
+        add_config_arguments(parser, sub, f"{f.name} settings ({sub.__name__}): {f.metadata.get('help', '')}")
+
+
+def config_from_args(cls, args):
+    """The `cls` config (`add_config_arguments`' dataclass) of the parsed `args`; `ValueError` from its validation."""
+    return cls(**{f.name: config_from_args(kinds[0], args) if dataclasses.is_dataclass(kinds[0])
+                  else getattr(args, f.name) for f, kinds in _config_fields(cls)})
+
+
 def _time_generate(target, input_ids, **kwargs):
     """`(output, seconds)`, the seconds measured once the device has run the work (`clock`)."""
-    from angelspec_hf.modeling.draft_policy import clock
+    from angelspec_hf.policy import clock
 
     start = clock(target.device)
     out = target.generate(input_ids, **kwargs)
@@ -160,44 +225,15 @@ def cmd_regenerate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import torch
+    """`angelspec serve`: the server `args.config` (a `ServeConfig`, every field a flag) describes, under uvicorn."""
+    import math
 
-    import angelspec_hf
-    from angelspec_hf.shipped import NGRAM_LOOKUP_TOKENS, pick_drafter
-    from angelspec_hf.tgi_patch.engine import SpeculativeEngine
-    from angelspec_hf.tgi_patch.server import create_app, serve
+    from angelspec_hf.tgi_patch.server import build_app, serve
 
-    torch.set_num_threads(args.threads)
-    model_id = args.target or angelspec_hf.targets.DEFAULT_TARGET
-    print(f"loading target: {model_id} on {args.device} ({str(args.dtype).removeprefix('torch.')}) ...", flush=True)
-    target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
-    choice = pick_drafter(args.drafter, target)
-    drafter, trained = choice.drafter, choice.kind in ("trained", "given")
-    if choice.kind in ("lookup", "untrained"):
-        print(f"NOTE: {choice.note}" + (": outputs are still the target's own, but expect a slow-down."
-                                       if choice.kind == "untrained" else "."))
-    elif choice.kind != "none":
-        print(f"drafter: {choice.note}")
-    kernels = use_linear_kernels(args.linear_kernels, target, drafter)
-    print(f"linear kernels: {kernels}")
-    if args.verify == "auto":
-        print("cost model: the cached profile for this machine, or ~20 s of profiling ...", flush=True)
-    engine = SpeculativeEngine(target, drafter, verify=args.verify, max_batch_size=args.max_batch_size,
-                               kv_cache_tokens=args.kv_cache_tokens,
-                               lookup_tokens=NGRAM_LOOKUP_TOKENS if choice.kind == "lookup" else None)
-    max_total = min(args.max_total_tokens, engine.max_total_tokens)
-    app = create_app(
-        engine, tokenizer, model_id,
-        max_input_tokens=min(args.max_input_tokens, max_total - 1, engine.max_prefill_tokens),
-        max_total_tokens=max_total, max_concurrent_requests=args.max_concurrent_requests,
-        max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
-        max_payload_bytes=args.payload_limit, max_client_batch_size=args.max_client_batch_size,
-        info_extra={"angelspec": {"drafter": "ngram-lookup" if choice.kind == "lookup" else args.drafter,
-                                  "drafter_trained": trained, "verify": args.verify,
-                                  "max_batch_size": args.max_batch_size, "linear_kernels": kernels,
-                                  "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}},
-    )
-    serve(app, host=args.host, port=args.port)
+    config = args.config
+    app, _ = build_app(config, log=lambda text: print(text, flush=True))
+    # uvicorn's own grace outlasts the streams' (`graceful_shutdown_s`), so that they end cleanly
+    serve(app, host=config.host, port=config.port, graceful_shutdown_s=math.ceil(config.graceful_shutdown_s) + 5)
     return 0
 
 
@@ -293,6 +329,7 @@ examples:
     "serve": """\
 examples:
   angelspec serve --drafter dfly --port 8080
+  angelspec serve --drafter mtp --verify depth:3 --max-batch-size 8 --lookup-tokens 0 --no-measure-rates
   curl -s 127.0.0.1:8080/generate -H 'Content-Type: application/json' \\
        -d '{"inputs": "What is 12 * 7?", "parameters": {"max_new_tokens": 32}}'""",
     "demo": """\
@@ -384,30 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_prune_vocab_parser(sub)
     add_bench_parser(sub)
 
+    from angelspec_hf.tgi_patch.server.config import ServeConfig
+
     srv = sub.add_parser("serve", help="TGI-compatible HTTP server, batched, with D-Cut",
                          description="A TGI-compatible HTTP server on the batched speculative engine: continuous "
-                         "batching, D-Cut verification budgets, streaming.")
-    srv.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
-    srv.add_argument("--drafter", default="dfly",
-                     help="mtp | dflash | dfly (the shipped one; n-gram lookup where none fits the target) | "
-                     "untrained[:FAMILY] (for experiments) | none | a drafter folder/id")
-    srv.add_argument("--verify", default="auto", help="auto (D-Cut + cost model) | N (budget per step) | depth:K")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8080)
-    srv.add_argument("--max-batch-size", type=positive_int, default=32, help="requests decoded together")
-    srv.add_argument("--max-concurrent-requests", type=int, default=128, help="beyond this: 429 overloaded")
-    srv.add_argument("--kv-cache-tokens", type=positive_int, default=None,
-                     help="tokens the KV pools hold before they grow (default: 1024 per --max-batch-size)")
-    srv.add_argument("--max-input-tokens", type=int, default=1024)
-    srv.add_argument("--max-total-tokens", type=int, default=2048, help="input + new tokens per request")
-    srv.add_argument("--max-stop-sequences", type=int, default=4)
-    srv.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
-    srv.add_argument("--payload-limit", type=int, default=2_000_000, help="request body bytes (TGI's flag)")
-    srv.add_argument("--max-client-batch-size", type=int, default=4, help="prompts per /v1/completions request")
-    srv.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    add_device_arguments(srv)
-    add_linear_kernels_argument(srv)
-    srv.set_defaults(func=cmd_serve)
+                         "batching, D-Cut verification budgets, streaming. Every flag is a field of ServeConfig or "
+                         "of its EngineConfig (angelspec_hf.tgi_patch.server.ServeConfig).")
+    add_config_arguments(srv, ServeConfig)
+    srv.set_defaults(func=cmd_serve, config_class=ServeConfig)
 
     demo = sub.add_parser("demo", help="the Gradio Space, locally",
                           description="The Gradio Space, locally: plain and speculative generation side by side, "
@@ -457,6 +478,14 @@ def main(argv=None) -> int:
 
             return train_main(rest)
         args = parser.parse_args(argv)
+        if getattr(args, "config_class", None) is not None:  # refused before anything loads, naming the field
+            try:
+                args.config = config_from_args(args.config_class, args)
+            except ValueError as error:  # the message starts with the field's name, the flag's
+                field = str(error).split(" ", 1)[0]
+                flag = f"argument --{field.replace('_', '-')}: " if hasattr(args, field) else ""
+                print(f"angelspec {args.command}: error: {flag}{error}", file=sys.stderr)
+                return 2
         if hasattr(args, "device"):  # resolved before any model loads: a missing GPU is said at once
             args.device = resolve_device(args.device)
             args.dtype = resolve_dtype(args.dtype, args.device)

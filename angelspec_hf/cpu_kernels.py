@@ -5,9 +5,9 @@ On a CPU, `torch.nn.functional.linear` goes to MKL: a one-token forward runs as 
 that verifies 8 tokens costs 1.4-1.8 plain decode steps, and most of a drafter's gain is spent there. oneDNN, which
 ships inside PyTorch, can reorder a weight once into the blocked layout its kernels read
 (`torch.ops.mkldnn._reorder_linear_weight`, what `torch.compile`'s CPU freezing pass uses); its linear
-(`torch.ops.mkldnn._linear_pointwise`) then costs about the same for 1 token as for 8, and less than MKL's for 1.
-Measured on this project's 2-core x86_64 machine with SmolLM2-135M-Instruct (fp32, 2 threads, 256-token cache): one
-forward of 1 / 8 tokens took 63 / 85 ms with MKL and 47 / 54 ms prepacked (`benchmarks/linear_kernels.py`).
+(`torch.ops.mkldnn._linear_pointwise`) then costs about the same for 1 token as for 8, and less than MKL's for 1 on
+some CPUs (not all: `choose_linear_kernels`; the figures are in docs/benchmarks.md, "CPU linear kernels", from
+`benchmarks/linear_kernels.py`).
 
 `prepack_linears(model)` swaps every fp32 `nn.Linear` of `model` for a `PrepackedLinear` in place. The module keeps
 its `weight` parameter (state dicts, weight tying, `get_output_embeddings()`, pruned draft heads all see the same
@@ -148,13 +148,10 @@ PREPACK_MARGIN = 0.05  # `choose_linear_kernels` keeps prepacked weights only wh
 
 def choose_linear_kernels(target: nn.Module, *models) -> str:
     """`--linear-kernels auto`: time `target`'s plain step and 8-token verify on both kernels (interleaved) and keep
-    the faster for the two together; `models` (drafters) follow the target's choice. Which is faster depends on the CPU:
-    prepacked weights made this project's AMD EPYC machine's steps 1.3x faster (63 -> 47 ms for 1 token, 85 -> 54 ms for
-    8), but an Intel Xeon machine's plain step 1.33x slower (41 -> 55 ms; 8 tokens 79 ms either way), so a fixed
-    default loses on one of them. Prepacked must be faster by `PREPACK_MARGIN` (its copies cost about 540 MB, and a
-    near tie flips with the noise: on a Xeon that timed 36 / 65 ms stock and 43 / 57 ms prepacked, 101 against 100 ms,
-    runs of the same bench chose either, and the one on prepacked weights timed plain decoding 1.2x slower). Returns
-    the line the commands print."""
+    the faster for the two together; `models` (drafters) follow the target's choice. Which is faster depends on the CPU
+    (faster on some, slower on others: docs/benchmarks.md, "CPU linear kernels"), so a fixed default loses on one of
+    them. Prepacked must be faster by `PREPACK_MARGIN`: its copies double the weights' memory, and a near tie flips
+    with the noise. Returns the line the commands print."""
     modules = [m for m in (target, *models) if isinstance(m, nn.Module)]
     prepack_linears(target)
     packed_modules = [m for m in target.modules() if isinstance(m, PrepackedLinear)]

@@ -27,7 +27,7 @@ from angelspec_hf.cpu_kernels import use_linear_kernels
 from angelspec_hf.prompts import chat_input_ids
 from angelspec_hf.shipped import shipped_or_untrained
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
-from angelspec_hf.tgi_patch.engine.dcut import CostModel
+from angelspec_hf.policy import CostModel
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from scipy.stats import binomtest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from angelspec_hf import DFlyDrafter, generate_batch
-from angelspec_hf.tgi_patch.engine.dcut import CostModel
+from angelspec_hf.policy import CostModel
 from angelspec_hf.tgi_patch.engine import SpeculativeEngine
 
 

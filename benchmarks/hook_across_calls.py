@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import angelspec_hf
-from angelspec_hf.modeling.draft_policy import hardware_key
+from angelspec_hf.policy import hardware_key
 from angelspec_hf.prompts import chat_input_ids
 from angelspec_hf.shipped import checkout_drafter_path, drafter_for_target
 

@@ -27,21 +27,9 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .draft_policy import clock
+from angelspec_hf.policy import NgramIndex, clock
 
 BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, verify=...)"
-
-
-def ngram_continuation(ids: torch.LongTensor, max_ngram: int, num_tokens: int) -> tuple[list[int], int]:
-    """Prompt lookup: `(tokens, n)` where `tokens` (at most `num_tokens`) followed the latest earlier occurrence of
-    the last `n` tokens of `ids` `[T]`, for the largest `n <= max_ngram` that occurs; `([], 0)` when none does."""
-    for n in range(min(max_ngram, ids.shape[0] - 1), 0, -1):
-        windows = ids[:-1].unfold(0, n, 1)  # n-grams starting at 0 .. T-1-n, each followed by at least one token
-        hits = torch.nonzero((windows == ids[-n:]).all(-1)).flatten()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return ids[start : start + num_tokens].tolist(), n
-    return [], 0
 
 
 def acceptance_probability(target_logits: torch.Tensor, draft_probs: torch.Tensor) -> float:
@@ -105,6 +93,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
         self.lookup_max_ngram = int(getattr(drafter.config, "lookup_max_ngram", 3) or 3)
+        self._ngrams: NgramIndex | None = None  # the context's n-gram index, extended as tokens are accepted
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
@@ -256,7 +245,11 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         room = max(0, self.max_length - input_ids.shape[1] - 1)
         if not self.lookup_tokens or room == 0:
             return None
-        tokens, n = ngram_continuation(input_ids[0], self.lookup_max_ngram, min(self.lookup_tokens, room))
+        ids = input_ids[0]
+        if self._ngrams is None or len(self._ngrams.ids) > len(ids):
+            self._ngrams = NgramIndex(self.lookup_max_ngram)
+        self._ngrams.extend_to(ids)  # the accepted context only grows: only its new tokens are indexed
+        tokens, n = self._ngrams.continuation(min(self.lookup_tokens, room))
         if not tokens:
             return None
         confidence = n / self.lookup_max_ngram

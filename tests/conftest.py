@@ -12,6 +12,9 @@ if shutil.which("nvidia-smi") is None:
 # Cost models profiled by the tests (two workers loading the machine at once) stay out of the user's cache, where a
 # later benchmark or server would read a profile timed under that load.
 os.environ.setdefault("ANGELSPEC_COST_MODELS", tempfile.mkdtemp(prefix="angelspec-test-cost-models-"))
+# That folder is the tests' own, so its profiles are cached whatever the load (the rule that a profile measured on a
+# busy machine is not cached has its own tests in test_draft_policy.py).
+os.environ.setdefault("ANGELSPEC_PROFILE_MAX_OTHER_LOAD", "inf")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

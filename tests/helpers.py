@@ -126,7 +126,7 @@ SERVER_COST = dict(verify_coef=(0.06, 0.002, 0.004), draft_coef=(0.02, 0.003))
 def make_app(drafter=True, **kwargs):
     """The TGI-compatible app on `served_target()` with the batched engine (an untrained DFly drafter: correctness,
     not speed) and a fixed cost model; returns `(app, engine)`."""
-    from angelspec_hf.tgi_patch.engine.dcut import CostModel
+    from angelspec_hf.policy import CostModel
     from angelspec_hf.tgi_patch.engine import SpeculativeEngine
     from angelspec_hf.tgi_patch.server import create_app
 

@@ -70,7 +70,7 @@ def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
     """The closed-loop batched benchmark: plain, fixed depths and D-Cut per concurrency, with greedy identity against
     plain decoding, a markdown table, JSON and a plot."""
     from angelspec_hf.bench_batch import run_concurrency_bench, write_concurrency_outputs
-    from angelspec_hf.tgi_patch.engine.dcut import CostModel
+    from angelspec_hf.policy import CostModel
     from helpers import tiny_drafter, tiny_target
 
     target = tiny_target()

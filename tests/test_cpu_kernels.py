@@ -114,7 +114,7 @@ def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
 
 
 def test_prepacked_models_get_their_own_cost_profiles():
-    from angelspec_hf.modeling.draft_policy import hardware_key
+    from angelspec_hf.policy import hardware_key
 
     target = tiny_target()
     drafter = tiny_drafter("dfly", target)

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
-from angelspec_hf.modeling.draft_policy import (
-    DraftLengthPolicy,
+from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
+from angelspec_hf.policy import (
+    AcceptanceCalibrator,
     LinearFit,
     MeasuredRates,
     OnlineLeastSquares,
-    PositionCalibrator,
     RoundCosts,
+    StepKind,
     clock,
     load_or_profile_round_costs,
     profile_round_costs,
@@ -53,13 +54,30 @@ def test_online_least_squares_starts_at_its_prior_and_follows_the_data_where_it_
     assert fit.prior_scale == pytest.approx(0.05) and torch.isfinite(torch.tensor(fit.coef)).all()
 
 
-def test_position_calibrator_learns_per_position_and_confidence():
-    cal = PositionCalibrator(3, num_bins=4, prior_weight=1.0)
+def test_the_calibrator_learns_per_position_and_confidence_from_host_rounds():
+    cal = AcceptanceCalibrator(num_bins=4, prior_weight=1.0, num_positions=3, prior_scale=0.7)
     for _ in range(100):
-        cal.update([0.9, 0.2, 0.9], 1)  # position 0 accepted, position 1 rejected, position 2 not reached
-    assert cal(0, 0.9) == pytest.approx(1.0, abs=0.02) and cal(1, 0.2) == pytest.approx(0.0, abs=0.02)
-    assert cal(2, 0.9) == pytest.approx(0.7 * 0.875)  # never observed: still the prior
-    assert cal.mean(0) > 0.95 and cal.mean(1) < 0.05
+        cal.update_round([0.9, 0.2, 0.9], 1)  # position 0 accepted, position 1 rejected, position 2 not reached
+    assert cal.rate(0, 0.9) == pytest.approx(1.0, abs=0.02) and cal.rate(1, 0.2) == pytest.approx(0.0, abs=0.02)
+    assert cal.rate(2, 0.9) == pytest.approx(0.7 * 0.875)  # never observed: still the prior
+    means = cal.position_rates(2)
+    assert means[0] > 0.95 and means[1] < 0.05
+
+
+def test_host_rounds_and_device_batches_calibrate_alike():
+    """One calibrator for both policies: the hook's rounds (`update_round`, Python floats) and the engine's batches
+    (`update`, tensors, nothing read back) give the same tables and the same rates."""
+    torch.manual_seed(0)
+    host, batched = AcceptanceCalibrator(num_positions=4), AcceptanceCalibrator(num_positions=4)
+    conf = torch.rand(64, 5, dtype=torch.float64)
+    accepted = torch.randint(0, 6, (64,))
+    for row, n in zip(conf.tolist(), accepted.tolist()):
+        host.update_round(row, n)
+    batched.update(conf, torch.full((64,), 5), accepted)
+    for name in AcceptanceCalibrator.TABLES:
+        assert torch.allclose(getattr(host, name), getattr(batched, name)), name
+    assert host.position_rates(6) == pytest.approx(batched.position_rates(6), rel=1e-12)
+    assert host.rate(3, 0.42) == pytest.approx(float(batched.at(torch.tensor([0.42]), 3)), rel=1e-6)
 
 
 def test_expected_rates_in_one_pass_are_the_per_position_recursion():
@@ -70,16 +88,19 @@ def test_expected_rates_in_one_pass_are_the_per_position_recursion():
     policy = policy_with(k=4)
     for _ in range(40):
         n = int(torch.randint(1, 5, ()))
-        policy.calibrator.update(torch.rand(n).tolist(), int(torch.randint(0, n + 1, ())))
+        policy.calibrator.update_round(torch.rand(n).tolist(), int(torch.randint(0, n + 1, ())))
     cal = policy.calibrator
+
+    accepted, trials = (t.reshape(cal.num_positions, cal.num_bins).sum(1) for t in (cal.observed_accepted,
+                                                                                       cal.observed))
 
     def mean(j):
         rate = cal.prior_mean
-        for i in range(min(j, cal.trials.shape[0] - 1) + 1):
-            rate = (float(cal.position_accepted[i]) + cal.prior_weight * rate) / (float(cal.position_trials[i]) + cal.prior_weight)
+        for i in range(min(j, cal.num_positions - 1) + 1):
+            rate = (float(accepted[i]) + cal.prior_weight * rate) / (float(trials[i]) + cal.prior_weight)
         return rate
 
-    assert cal.means(6) == pytest.approx([mean(j) for j in range(6)], rel=1e-12)
+    assert cal.position_rates(6) == pytest.approx([mean(j) for j in range(6)], rel=1e-12)
     for k in range(7):
         survival = [1.0]
         for j in range(k):
@@ -132,7 +153,7 @@ def test_shadow_probes_learn_without_verifying_and_end_the_back_off():
             policy.observe(1, 0, None, None)
         elif policy.shadow_due:
             policy.observe_shadow(0.9, 0.0, None)
-    assert not policy.expected_to_pay(4) and policy.plain_left > 0
+    assert not policy.expected_to_pay(4) and policy.backoff.left > 0
     shadows, drafted = 0, False
     for _ in range(200):  # the text changed: its first token is now always the target's
         drafted = policy.start_round(4)
@@ -179,24 +200,24 @@ def test_measured_rates_are_not_fooled_by_the_spread_of_drafted_rounds():
 
     rng, rates = random.Random(0), MeasuredRates()
     for _ in range(20):
-        rates.observe(False, 1, 1, 0.05)
+        rates.observe(StepKind.PLAIN, 1, 1, 0.05)
     losing, ema, ema_losing, estimates = 0, None, 0, []
     for _ in range(2000):
         tokens = 1
         while tokens < 8 and rng.random() < 0.45:
             tokens += 1
-        rates.observe(True, 1, tokens, 0.07)
+        rates.observe(StepKind.DRAFT, 1, tokens, 0.07)
         losing += rates.loses(1)
-        estimates.append(rates.get(True, 1))
+        estimates.append(rates.get(StepKind.DRAFT, 1))
         ema = tokens / 0.07 if ema is None else ema + 0.2 * (tokens / 0.07 - ema)
         ema_losing += ema < 20
     assert sum(estimates) / len(estimates) == pytest.approx(25.9, rel=0.05)  # the rate delivered, over a window
     assert losing / 2000 < 0.02 and ema_losing / 2000 > 0.1, (losing, ema_losing)
     hopeless = MeasuredRates()
-    hopeless.observe(False, 1, 1, 0.05)
+    hopeless.observe(StepKind.PLAIN, 1, 1, 0.05)
     found = []
     for _ in range(5):
-        hopeless.observe(True, 1, 1, 0.055 + 0.002 * rng.random())
+        hopeless.observe(StepKind.DRAFT, 1, 1, 0.055 + 0.002 * rng.random())
         found.append(hopeless.loses(1))
     assert found == [False] * (hopeless.min_steps - 1) + [True] * (6 - hopeless.min_steps)
 
@@ -216,7 +237,7 @@ def test_policy_backs_off_when_drafted_rounds_deliver_less_than_plain_ones():
     unmeasured = DraftLengthPolicy(RoundCosts((0.02, 0.001), (0.0, 0.001)), 4, measure=False)
     assert all(run_timed_rounds(unmeasured))  # the model alone keeps drafting at a loss
     # drafting resumes once drafted rounds deliver more than plain ones
-    measured.plain_left = 0
+    measured.backoff.left = 0
     assert sum(run_timed_rounds(measured, 100, drafted_seconds=0.06)[-50:]) >= 45
 
 
@@ -229,10 +250,10 @@ def test_a_back_off_earned_on_one_prompt_does_not_hold_back_the_next():
     carried, fresh = (policy_with(step=(0.02, 0.001), draft=(0.0, 0.001)) for _ in range(2))
     for policy in (carried, fresh):
         run_timed_rounds(policy, 120, drafted_seconds=0.2)  # chat: 2 tokens in 0.2 s against 1 in 0.05 s plain
-        assert policy.measured_loss() and policy.backoff == policy.max_backoff
+        assert policy.measured_loss() and policy.backoff.length == policy.backoff.cap
     fresh.new_sequence()
-    assert fresh.measured.get(False, 1) == carried.measured.get(False, 1)  # the plain rate is the machine's: kept
-    assert fresh.measured.get(True, 1) is None and fresh.plain_left == 0
+    assert fresh.measured.get(StepKind.PLAIN, 1) == carried.measured.get(StepKind.PLAIN, 1)  # the machine's: kept
+    assert fresh.measured.get(StepKind.DRAFT, 1) is None and fresh.backoff.left == 0
     code = {name: run_timed_rounds(policy, 64, drafted_seconds=0.06) for name, policy in (("carried", carried), ("fresh", fresh))}
     assert code["fresh"][0] and sum(code["fresh"]) >= 56
     assert sum(code["carried"]) <= 8  # what the hook did before it started each call afresh
@@ -306,10 +327,8 @@ def test_a_stale_plain_step_profile_cannot_keep_the_policy_drafting():
 
 
 def test_the_plain_step_cost_survives_the_cache_round_trip(tmp_path):
-    from angelspec_hf.modeling.draft_policy import RoundCosts, save_round_costs
-
     costs = RoundCosts((0.05, 0.001), (0.0, 0.001), "k", tmp_path / "hook-k.json", plain_step=0.07)
-    save_round_costs(costs)
+    assert costs.save()
     back = RoundCosts.from_dict(json.loads(costs.path.read_text()))
     assert back.plain_step == 0.07 and back == RoundCosts((0.05, 0.001), (0.0, 0.001), "k", plain_step=0.07)
     assert RoundCosts.from_dict({"step_coef": [0.05, 0.001], "draft_coef": [0, 0.001]}).plain_step is None  # old files
@@ -342,7 +361,7 @@ def test_the_clock_waits_for_the_device_it_times(monkeypatch):
 
 def test_the_hook_profile_reads_its_timers_after_the_device_has_worked(monkeypatch):
     """Every timed forward and drafting call of the profile is bracketed by `clock` on the model's own device."""
-    import angelspec_hf.modeling.draft_policy as draft_policy
+    import angelspec_hf.policy.round_costs as draft_policy
 
     target = tiny_target()
     drafter = tiny_drafter("dfly", target)
@@ -532,3 +551,46 @@ def test_a_shadow_draft_scores_the_first_token_as_verifying_it_would(family):
     assert any(a for (_, a), _ in pairs)  # the skewed tiny target makes some first tokens right
     for (confidence, accepted), (expected_confidence, expected_accepted) in pairs:
         assert confidence == pytest.approx(expected_confidence, abs=1e-6) and accepted == expected_accepted
+
+
+def test_a_profile_measured_while_other_processes_load_the_cpu_is_used_but_not_cached(tmp_path, monkeypatch):
+    """A cost profile timed while other processes kept the cores busy has a busy machine's costs; cached, it would
+    mislead every later run. It is used for the run that measured it and not written; measured quietly, it is."""
+    import subprocess
+    import sys
+
+    from angelspec_hf.policy import OtherLoad, profile_cached
+
+    with OtherLoad() as load:  # two processes spinning for 0.6 s: at least one core busy besides this one
+        burners = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+                   for _ in range(2)]
+        for burner in burners:
+            burner.wait()
+    assert load.cores is not None and load.cores > 0.5
+
+    def profile():
+        return RoundCosts((0.05, 0.001), (0.0, 0.001), "k")
+
+    monkeypatch.setenv("ANGELSPEC_PROFILE_MAX_OTHER_LOAD", "0.5")
+    busy = OtherLoad.__exit__
+
+    def other_load(cores):
+        def __exit__(self, *exc):
+            busy(self, *exc)
+            self.cores = cores  # what the machine's counters said, pinned: the rule is what is under test
+        return __exit__
+
+    path = tmp_path / "hook-k.json"
+    monkeypatch.setattr(OtherLoad, "__exit__", other_load(1.4))
+    costs, cached = profile_cached(path, RoundCosts.from_dict, profile, "cpu", RoundCosts.to_dict)
+    assert costs.step_coef == (0.05, 0.001) and not cached and not path.exists()
+    monkeypatch.setattr(OtherLoad, "__exit__", other_load(1.4))
+    assert profile_cached(path, RoundCosts.from_dict, profile, "cuda", RoundCosts.to_dict)[1]  # a GPU profile
+    path.unlink()
+    monkeypatch.setattr(OtherLoad, "__exit__", other_load(0.1))
+    costs, cached = profile_cached(path, RoundCosts.from_dict, profile, "cpu", RoundCosts.to_dict)
+    assert cached and json.loads(path.read_text())["other_load_cores"] == 0.1
+    assert profile_cached(path, RoundCosts.from_dict, lambda: 1 / 0, "cpu", RoundCosts.to_dict)[0] == costs
+    monkeypatch.setenv("ANGELSPEC_PROFILE_MAX_OTHER_LOAD", "many")
+    with pytest.raises(ValueError, match="ANGELSPEC_PROFILE_MAX_OTHER_LOAD"):
+        profile_cached(tmp_path / "other.json", RoundCosts.from_dict, profile, "cpu", RoundCosts.to_dict)

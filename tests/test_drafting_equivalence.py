@@ -367,7 +367,7 @@ def test_pending_features_follow_the_live_requests(targets):
     """Steps that do not draft keep the target features the drafter will read, without copying the ones kept before
     (one chunk per step); a finished or cancelled request's features are dropped, so memory follows the live
     requests (at most twice their pending rows) and an idle engine holds none. Output stays plain greedy."""
-    from angelspec_hf.tgi_patch.engine.dcut import CostModel
+    from angelspec_hf.policy import CostModel
 
     target, twin = targets
     drafter = _drafter("dfly", target)
@@ -399,7 +399,7 @@ def test_a_probe_drafts_for_a_few_rows_and_the_others_keep_their_features(target
     """A probe (D-Cut re-planning a drafter it backed off from) drafts for a few rows of the batch only; the other
     rows keep their pending target features, so when drafting pays again and every row is drafted for, each drafts
     exactly what a fresh engine drafts after ingesting that row's whole context at once. Output stays plain greedy."""
-    from angelspec_hf.tgi_patch.engine.dcut import CostModel
+    from angelspec_hf.policy import CostModel
 
     target, twin = targets
     drafter = _drafter("dfly", target)

@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from angelspec_hf.tgi_patch.engine.kernels import reference
-from angelspec_hf.tgi_patch.engine.dcut import AcceptanceCalibrator, CostModel, load_or_profile
+from angelspec_hf.policy import AcceptanceCalibrator, CostModel, StepKind, load_or_profile
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, StepTrace, generate_batch
 from helpers import tiny_drafter, tiny_target
 from stats import (PROMPT, ImpossibleSample, assert_power, correction_from_p, exact_distribution, peaked_drafter,
                    processed_logprobs, report, sequence_fit, single_thread, spread_target)
 
 FIXED_COST = CostModel((1.0, 0.05, 0.02), (0.2, 0.01))  # tests that do not exercise profiling
+
+
+
+def _drafts(policy, n_dec: int, width: int = 4) -> bool:
+    """Does the policy run the drafter at a step of `n_dec` decoding rows (a cost model under which drafting pays)?"""
+    return policy.step_kind(n_dec, width).drafts
 
 
 def plain_greedy(reference_target, prompt, max_new_tokens, eos=2):
@@ -87,24 +93,24 @@ def test_measured_rates_back_off_when_speculation_delivers_less_than_plain():
     from angelspec_hf.tgi_patch.engine.dcut import DCutPolicy
 
     policy = DCutPolicy("auto", None, cost_model=FIXED_COST, probe_every=4)
-    assert all(policy.should_draft(16) for _ in range(10))  # nothing measured yet: the plan decides
-    policy.observe_step(True, 0, 16, decode_tokens=20, seconds=1.0)
-    assert [policy.should_draft(16) for _ in range(8)] == [True, True, True, False] * 2  # plain measured 1 in 4
-    policy.observe_step(True, 2, 16, decode_tokens=1, seconds=1.0)  # a step that also prefilled: not comparable
-    policy.observe_step(False, 0, 16, decode_tokens=16, seconds=0.5)  # plain: 32 tok/s > speculative 20
-    assert all(policy.should_draft(16) for _ in range(10))  # one speculative step is not yet evidence
+    assert all(_drafts(policy, 16) for _ in range(10))  # nothing measured yet: the plan decides
+    policy.observe_step(StepKind.DRAFT, 0, 16, decode_tokens=20, seconds=1.0)
+    assert [_drafts(policy, 16) for _ in range(8)] == [True, True, True, False] * 2  # plain measured 1 in 4
+    policy.observe_step(StepKind.DRAFT, 2, 16, decode_tokens=1, seconds=1.0)  # a step that also prefilled: not comparable
+    policy.observe_step(StepKind.PLAIN, 0, 16, decode_tokens=16, seconds=0.5)  # plain: 32 tok/s > speculative 20
+    assert all(_drafts(policy, 16) for _ in range(10))  # one speculative step is not yet evidence
     for _ in range(policy.measured.min_steps - 1):
-        policy.observe_step(True, 0, 16, decode_tokens=20, seconds=1.0)  # every one 20 tok/s: no spread
-    assert [policy.should_draft(16) for _ in range(5)] == [False] * 4 + [True]  # backed off for probe_every steps
-    assert [policy.should_draft(16) for _ in range(9)] == [False] * 8 + [True]  # still losing: twice as long
-    assert policy.should_draft(1)  # another batch size is measured apart
+        policy.observe_step(StepKind.DRAFT, 0, 16, decode_tokens=20, seconds=1.0)  # every one 20 tok/s: no spread
+    assert [_drafts(policy, 16) for _ in range(5)] == [False] * 4 + [True]  # backed off for probe_every steps
+    assert [_drafts(policy, 16) for _ in range(9)] == [False] * 8 + [True]  # still losing: twice as long
+    assert _drafts(policy, 1)  # another batch size is measured apart
     for _ in range(20):  # speculation now delivers more (a better drafter, a quieter machine)
-        policy.observe_step(True, 0, 16, decode_tokens=60, seconds=1.0)
-    assert all(policy.should_draft(16) for _ in range(10))
+        policy.observe_step(StepKind.DRAFT, 0, 16, decode_tokens=60, seconds=1.0)
+    assert all(_drafts(policy, 16) for _ in range(10))
     off = DCutPolicy("auto", None, cost_model=FIXED_COST, measure=False)
-    off.observe_step(True, 0, 16, decode_tokens=1, seconds=1.0)
-    off.observe_step(False, 0, 16, decode_tokens=16, seconds=0.5)
-    assert all(off.should_draft(16) for _ in range(10))
+    off.observe_step(StepKind.DRAFT, 0, 16, decode_tokens=1, seconds=1.0)
+    off.observe_step(StepKind.PLAIN, 0, 16, decode_tokens=16, seconds=0.5)
+    assert all(_drafts(off, 16) for _ in range(10))
 
 
 def test_with_lookups_the_drafter_is_measured_against_what_steps_without_it_deliver():
@@ -112,23 +118,23 @@ def test_with_lookups_the_drafter_is_measured_against_what_steps_without_it_deli
     drafted steps that beat plain ones but lose to those steps taken together start a back-off; without lookups the
     same drafted steps keep drafting. The two kinds are pooled as they came, so a lookup step's luck (it is taken
     only where a lookup exists) does not count alone."""
-    from angelspec_hf.tgi_patch.engine.dcut import LOOKUP, DCutPolicy
+    from angelspec_hf.tgi_patch.engine.dcut import DCutPolicy
 
     def measured(lookup_tokens):
         policy = DCutPolicy("auto", None, cost_model=FIXED_COST, lookup_tokens=lookup_tokens, probe_every=4)
         for i in range(6):
-            policy.observe_step(True, 0, 32, decode_tokens=40 + i % 2, seconds=0.3)  # ~135 tok/s
-            policy.observe_step(False, 0, 32, decode_tokens=32, seconds=0.25)  # 128 tok/s
-            policy.observe_step(LOOKUP, 0, 32, decode_tokens=45 + i % 2, seconds=0.2)  # ~230 tok/s
+            policy.observe_step(StepKind.DRAFT, 0, 32, decode_tokens=40 + i % 2, seconds=0.3)  # ~135 tok/s
+            policy.observe_step(StepKind.PLAIN, 0, 32, decode_tokens=32, seconds=0.25)  # 128 tok/s
+            policy.observe_step(StepKind.LOOKUP, 0, 32, decode_tokens=45 + i % 2, seconds=0.2)  # ~230 tok/s
         return policy
 
     assert measured(4)._drafter_loses(32) and not measured(0)._drafter_loses(32)
     backing_off = measured(4)
-    assert [backing_off.should_draft(32) for _ in range(5)] == [False] * 4 + [True]  # a pause, then a probe
+    assert [_drafts(backing_off, 32) for _ in range(5)] == [False] * 4 + [True]  # a pause, then a probe
     lucky = measured(4)  # lookup steps alone would win, but lately they are rare next to plain ones
     for _ in range(30):
-        lucky.observe_step(False, 0, 32, decode_tokens=32, seconds=0.25)
-    assert lucky.measured.loses(32, True, LOOKUP) and not lucky._drafter_loses(32)
+        lucky.observe_step(StepKind.PLAIN, 0, 32, decode_tokens=32, seconds=0.25)
+    assert lucky.measured.loses(32, StepKind.DRAFT, StepKind.LOOKUP) and not lucky._drafter_loses(32)
 
 
 def test_slow_drafting_is_measured_and_mostly_skipped(targets):
@@ -392,9 +398,7 @@ class WidthFromRealKeysEngine(SpeculativeEngine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        bound = self.policy.drafting_bound
-        self.policy.drafting_bound = lambda remaining, n_dec, sampled, plan: bound(remaining, n_dec, sampled,
-                                                                                   lambda accept, _: accept)
+        self.policy.width_plan = lambda accept, sampled: accept
 
 
 class IgnoresTemperatureEngine(SpeculativeEngine):
@@ -571,7 +575,7 @@ class TiledCost(CostModel):
 def _drafted(engine, conf, limit, sampled):
     """How many positions each row carries `[B]` when the drafter stops where "auto" stops it (`drafting_bound`,
     asked after each position as drafting asks it) and each row at its own `limit` (its request's end)."""
-    keep_going = engine.policy.drafting_bound(limit + 1, len(limit), sampled, engine.plan_acceptance)
+    keep_going = engine.policy.drafting_bound(limit + 1, len(limit), sampled)
     width = conf.shape[1]
     if keep_going is not None:
         width = next((j + 1 for j in range(width) if not keep_going(conf[:, j], j)), width)
@@ -775,7 +779,7 @@ def test_a_seeded_draft_is_coupled_to_the_targets_draw():
     t: where q equals the target's p every draft is accepted (as rejection sampling accepts it, and greedy), and the
     token after them is the target's Gumbel-max draw. Drawn with other noise, a draft would match about sum(p^2)."""
     from angelspec_hf.tgi_patch.engine import verification
-    from angelspec_hf.tgi_patch.engine.dcut import draft_confidence
+    from angelspec_hf.policy import draft_confidence
     from angelspec_hf.tgi_patch.engine.request import Request
     from angelspec_hf.tgi_patch.engine.sampling import gumbel_scores
 
@@ -898,11 +902,11 @@ class LookupWithDrafterQEngine(SpeculativeEngine):
     """Verifies a lookup row against the drafter's distribution instead of the lookup's one-hot q."""
 
     def _lookup(self, requests, remaining, sampled, tokens, probs, conf, drafted=None):
-        new_tokens, new_probs, new_conf, use, limit = super()._lookup(requests, remaining, sampled, tokens, probs,
-                                                                      conf, drafted)
-        if probs is not None and new_probs is not None:
-            new_probs[:, : probs.shape[1]] = torch.where(use[:, None, None], probs, new_probs[:, : probs.shape[1]])
-        return new_tokens, new_probs, new_conf, use, limit
+        found = super()._lookup(requests, remaining, sampled, tokens, probs, conf, drafted)
+        if probs is not None and found.probs is not None:
+            width = probs.shape[1]
+            found.probs[:, :width] = torch.where(found.use[:, None, None], probs, found.probs[:, :width])
+        return found
 
 
 def sample_repeated(engine, prompt, steps, draws, temperature=0.8):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from angelspec_hf.tgi_patch.engine import FINISH_ERROR, GenerationFailed, SamplingParams, SpeculativeEngine, \
     generate_batch, parse_verify
 from angelspec_hf.tgi_patch.engine.core import StepKeptError
-from angelspec_hf.tgi_patch.engine.dcut import CostModel
+from angelspec_hf.policy import CostModel
 from angelspec_hf.tgi_patch.engine.request import FLOAT32_MAX_FINITE, FLOAT32_MIN_POSITIVE, int64_seed
 from angelspec_hf.tgi_patch.engine.sampling import apply_penalties, process_logits, sample_from
 from helpers import tiny_drafter, tiny_target

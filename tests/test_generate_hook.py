@@ -8,7 +8,8 @@ from transformers import TextStreamer
 from transformers.generation import GenerationMixin
 
 from angelspec_hf import DFlashDrafter
-from angelspec_hf.modeling.draft_policy import DraftLengthPolicy, RoundCosts, hardware_key
+from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
+from angelspec_hf.policy import RoundCosts, hardware_key
 from helpers import tiny_drafter, tiny_target
 
 

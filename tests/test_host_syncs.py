@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import tiny_drafter, tiny_target  # noqa: E402
 
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine  # noqa: E402
-from angelspec_hf.tgi_patch.engine.dcut import CostModel  # noqa: E402
+from angelspec_hf.policy import CostModel  # noqa: E402
 
 # reads of a tensor's value by Python: each waits for the device
 _READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__array__",
@@ -234,24 +234,39 @@ def test_host_mirrors_agree_with_the_device_state():
         assert engine.pool.tokens_allocated == 0
 
 
+def _scan_continuation(ids: list[int], max_ngram: int, num_tokens: int) -> tuple[list[int], int]:
+    """Prompt lookup by scanning the whole context (the definition `NgramIndex` must match): the tokens that followed
+    the latest earlier occurrence of the last n tokens, for the largest n <= max_ngram that occurs."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == ids[-n:]:
+                return ids[start + n : start + n + num_tokens], n
+    return [], 0
+
+
 def test_incremental_ngram_lookup_equals_the_scan():
-    """`NgramIndex` (kept per request, extended as tokens arrive) gives `ngram_continuation`'s lookups."""
+    """`NgramIndex`, extended as tokens arrive (per request in the engine, `extend`; from the growing context in the
+    hook, `extend_to`), gives the scan's lookups."""
     import random
 
-    from angelspec_hf.modeling.candidate_generator import ngram_continuation
-    from angelspec_hf.tgi_patch.engine.ngram import NgramIndex
+    from angelspec_hf.policy import NgramIndex
 
     rng = random.Random(0)
     for trial in range(60):
         max_ngram, vocab = rng.choice([1, 2, 3, 4]), rng.choice([2, 3, 5, 20])
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
-        generated, index = [], NgramIndex(max_ngram)
+        generated, index, grown = [], NgramIndex(max_ngram), NgramIndex(max_ngram)
         for _ in range(rng.randrange(1, 30)):
             index.extend(prompt, generated)
+            grown.extend_to(torch.tensor(prompt + generated))
             span = rng.randrange(0, 6)
-            assert index.continuation(span) == ngram_continuation(torch.tensor(prompt + generated), max_ngram, span)
+            expected = _scan_continuation(prompt + generated, max_ngram, span)
+            assert index.continuation(span) == grown.continuation(span) == expected
             generated += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
-
+    ids = [7, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2]
+    assert _scan_continuation(ids, 3, 4) == ([4, 8, 1, 2], 2)  # latest earlier "1 2", not the first
+    assert _scan_continuation(ids, 1, 2) == ([4, 8], 1)
+    assert _scan_continuation([5, 6, 7], 3, 4) == ([], 0) and _scan_continuation([5, 5], 3, 4) == ([5], 1)
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from angelspec_hf.tgi_patch.engine import verification as engine_module
-from angelspec_hf.tgi_patch.engine.dcut import CostModel
+from angelspec_hf.policy import CostModel
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine
 from angelspec_hf.tgi_patch.engine.sampling import apply_penalties
 from helpers import tiny_drafter, tiny_target

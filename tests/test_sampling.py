@@ -174,7 +174,8 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
     """`draft_length="auto"`: how many tokens a round drafts (none, one, two) follows the drafter's confidence, the
     learned acceptance and the timed costs, all known before the token they decide about is drawn, so the output is
     still exactly the processed target's; the same statistic rejects a wrong correction rule under the same policy."""
-    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy, RoundCosts
+    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
+    from angelspec_hf.policy import RoundCosts, StepKind
 
     class LearnedAcceptanceFixedCosts(DraftLengthPolicy):  # timing-independent, so the test is reproducible
         def observe(self, drafted, accepted, draft_seconds, step_seconds, round_seconds=None):
@@ -191,7 +192,7 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
     samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=4)
     assert rounds < proposed < 2 * rounds  # the policy drafted one token in some rounds, two in others
     assert 0 < accepted < proposed
-    assert policy.measured.get(False, 1) is not None  # the measured back-off made some rounds plain
+    assert policy.measured.get(StepKind.PLAIN, 1) is not None  # the measured back-off made some rounds plain
     _assert_exact_and_wrong_correction_caught(
         target, drafter, new_tokens, exact, samples, 5, monkeypatch,
         f"hook dfly, draft_length=auto, {DRAWS} draws, {rounds} rounds, {proposed} drafted, {accepted} accepted")
@@ -200,7 +201,8 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
 def test_ngram_lookup_rounds_keep_sampling_exact(target, monkeypatch):
     """`lookup_tokens`: rounds that verify an n-gram lookup (q one-hot on the looked-up token) beside rounds that
     verify the drafter's block keep the processed target distribution exactly; a wrong correction rule is rejected."""
-    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy, RoundCosts
+    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
+    from angelspec_hf.policy import RoundCosts
 
     class EveryOtherLookup(DraftLengthPolicy):  # timing-independent: lookups whenever on offer, every other call
         calls = 0
@@ -279,16 +281,6 @@ def test_a_shadow_drafts_acceptance_is_speculative_samplings_acceptance_rate():
                  "ratio at q's mode": float(torch.clamp(p[q.argmax()] / q.max(), max=1.0))}
         assert abs(acceptance_probability(p_logits, q) - rate) < 4 * se, (case, rate)
         assert all(abs(value - rate) > 10 * se for value in wrong.values()), (case, rate, wrong)
-
-
-def test_ngram_continuation():
-    from angelspec_hf.modeling.candidate_generator import ngram_continuation
-
-    ids = torch.tensor([7, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2])
-    assert ngram_continuation(ids, 3, 4) == ([4, 8, 1, 2], 2)  # latest earlier "1 2", not the first
-    assert ngram_continuation(ids, 1, 2) == ([4, 8], 1)
-    assert ngram_continuation(torch.tensor([5, 6, 7]), 3, 4) == ([], 0)
-    assert ngram_continuation(torch.tensor([5, 5]), 3, 4) == ([5], 1)
 
 
 # ---- the engine's seeded draws: Gumbel-max with noise from the counter-based generator ---------------------------

@@ -211,3 +211,28 @@ def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
     assert script.blocks_for(3.0, 2.0, -0.1) is None  # a falling fit reaches no goal
     with pytest.raises(ValueError, match="two or more"):
         script.fit_log_curve([10, 10], [1.5, 1.6])
+
+
+def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
+    """Under `--bf16` accelerate wraps the trained drafter's forward in bf16 autocast; the τ eval in the middle of
+    such a run must still draft as inference does (fp32 on CPU), and training goes on under autocast afterwards."""
+    from angelspec_hf.trainer.evaluation import measure_acceptance
+
+    target, tokenizer, folder = setup
+    trainer = make_trainer(setup, make_args(tmp_path, folder, bf16=True, max_steps=1), make_drafter(target))
+    trainer.train()
+    drafter = trainer.accelerator.unwrap_model(trainer.model)
+    assert "forward" in drafter.__dict__  # accelerate's autocast wrapper, as the callback finds it mid-run
+    linear = next(m for m in drafter.modules() if isinstance(m, torch.nn.Linear))
+    dtypes = []
+    handle = linear.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    try:
+        result = measure_acceptance(target, drafter, tokenizer, ["Count from one to ten."], max_new_tokens=12)
+        assert result["rounds"] > 0 and dtypes and set(dtypes) == {torch.float32}
+        dtypes.clear()
+        batch = DrafterCollator(tokenizer.pad_token_id)([trainer.train_dataset[i] for i in range(2)])
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, batch, num_items_in_batch=10)
+        assert set(dtypes) == {torch.bfloat16}  # the training forward is wrapped again
+    finally:
+        handle.remove()

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
-from angelspec_hf.modeling.draft_policy import clock
+from angelspec_hf.policy import CostModel, StepKind, clock, draft_confidence, load_or_profile, plan_acceptance
 from angelspec_hf.prompts import chat_ids
 
-from . import dcut, verification
-from .dcut import CostModel, DCutPolicy, load_or_profile, parse_verify
+from . import verification
+from .config import EngineConfig
+from .dcut import DCutPolicy, LookupChoice, parse_verify
 from .model_runner import ModelRunner, PackedForward
 from .request import Request, SamplingParams, StepTrace, TokenEvent, int64_seed
 from .sampling import PenaltyState
@@ -51,7 +52,7 @@ class Proposal:
     conf: torch.Tensor | None  # [B, K] D-Cut's confidence (None: nothing drafted)
     lookup: torch.Tensor | None  # [B] bool: the row carries an n-gram lookup instead of the drafter's block
     num_drafted: torch.Tensor  # [B] valid draft tokens per row
-    kind: str  # "draft" (the drafter ran), "probe" (it ran for a few rows), "lookup" (n-gram lookups only) or "plain"
+    kind: StepKind  # DRAFT (the drafter ran), PROBE (it ran for a few rows), LOOKUP (n-gram lookups only) or PLAIN
     drafter_rows: torch.Tensor | None = None  # [B] bool: the rows the drafter drafted (None: it did not run)
     full_rows: torch.Tensor | None = None  # [B] bool: those of them whose whole block may be verified
     draft_seconds: float = 0.0  # the drafting call's wall time
@@ -61,7 +62,7 @@ class Proposal:
 
     @property
     def drafted(self) -> bool:
-        return self.kind in ("draft", "probe")
+        return self.kind.drafts
 
     @property
     def proposed(self) -> torch.Tensor:
@@ -74,9 +75,22 @@ class Proposal:
         return rows
 
 
+@dataclass
+class Drafted(LookupChoice):
+    """What `_draft` proposes: `LookupChoice`'s fields (`use` None when lookups are off; `lengths` None when every
+    decoding row carries the whole block), the rows the drafter drafted (`drafter_rows [n_dec]` bool) and how many
+    positions it drafted (`width`: its block, or fewer where drafting stopped early)."""
+
+    drafter_rows: torch.Tensor | None = None
+    width: int = 0
+
+
 class SpeculativeEngine:
     """Continuous batching with speculative decoding: `add_request`, then `step()` until `has_work` is False.
 
+    Its settings are an `EngineConfig` (`config`; `self.config` holds it); each of its fields may also be given as a
+    keyword argument, which overrides the config's (`dataclasses.replace`, validated again); any other keyword is a
+    `TypeError`. `cost_model` and `calibrator` are runtime objects, not settings. The settings:
     `verify`: "auto" (D-Cut: the verification budget that maximises expected tokens per second under the cost model,
     backing off to plain steps when speculation does not pay, planned or measured), "budget:N", "depth:N" or "full".
     `cost_model`: a fixed `CostModel` (else profiled once and cached in `cost_model_cache`). `lookup_tokens`: n-gram
@@ -93,42 +107,46 @@ class SpeculativeEngine:
 
     KV_TOKENS_PER_SEQUENCE = 1024
 
-    def __init__(self, target, drafter=None, *, verify="auto", max_batch_size: int = 32, cost_model=None,
-                 cost_model_cache=None, max_prefill_tokens: int = 4096, probe_every: int = 8, calibrator=None,
-                 lookup_tokens: int | None = None, measure_rates: bool = True, kv_cache_tokens: int | None = None,
-                 isolate_faults: bool = True, early_stop_drafting: bool | None = None):
+    def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, cost_model=None, calibrator=None,
+                 **overrides):
+        unknown = sorted(set(overrides) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"SpeculativeEngine got unexpected keyword argument(s) {', '.join(unknown)}; the settings "
+                            f"are EngineConfig's fields: {', '.join(f.name for f in fields(EngineConfig))}")
+        config = replace(config or EngineConfig(), **overrides)  # validated again with the overrides
+        self.config = config
         if drafter is not None:
             drafter.check_target(target)
-        mode, mode_value = parse_verify(verify)
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        mode, mode_value = parse_verify(config.verify)
         self.target, self.drafter = target, drafter
-        self.max_batch_size = max_batch_size
-        self.isolate_faults = isolate_faults
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_batch_size = max_batch_size = config.max_batch_size
+        self.isolate_faults = config.isolate_faults
+        self.max_prefill_tokens = config.max_prefill_tokens
+        kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None:
             kv_cache_tokens = max_batch_size * self.KV_TOKENS_PER_SEQUENCE
-        if kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
         self.runner = ModelRunner(target, drafter, max_batch_size, kv_cache_tokens)
         self.device = self.runner.device
-        self.early_stop_drafting = self.device.type == "cpu" if early_stop_drafting is None else early_stop_drafting
-        config = target.config.get_text_config()
-        self.vocab_size = config.vocab_size
-        self.max_total_tokens = getattr(config, "max_position_embeddings", None) or 1 << 30
+        self.early_stop_drafting = (self.device.type == "cpu" if config.early_stop_drafting is None
+                                    else config.early_stop_drafting)
+        text_config = target.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_total_tokens = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         eos = target.generation_config.eos_token_id if target.generation_config is not None else None
         self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         # n-gram lookup proposals: the drafter config's `lookup_tokens` unless given
-        config_lookup = getattr(drafter.config, "lookup_tokens", 0) if drafter is not None else 0
+        lookup_tokens = config.lookup_tokens
+        if lookup_tokens is None:
+            lookup_tokens = getattr(drafter.config, "lookup_tokens", 0) if drafter is not None else 0
         self.policy = DCutPolicy(
-            mode, mode_value, cost_model=cost_model, calibrator=calibrator, probe_every=probe_every,
-            load_cost_model=lambda: load_or_profile(self.runner, cost_model_cache),
-            lookup_tokens=config_lookup if lookup_tokens is None else lookup_tokens,
+            mode, mode_value, cost_model=cost_model, calibrator=calibrator, probe_every=config.probe_every,
+            load_cost_model=lambda: load_or_profile(self.runner, config.cost_model_cache),
+            lookup_tokens=lookup_tokens,
             lookup_max_ngram=getattr(drafter.config, "lookup_max_ngram", 3) if drafter is not None else 3,
-            measure=measure_rates)
+            measure=config.measure_rates, plan=self.plan_acceptance)
         self.policy.calibrator.to(self.device)  # updated and read by every step where the step runs
         self.policy.lookup_calibrator.to(self.device)
-        self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, release=self._release)
+        self.scheduler = Scheduler(max_batch_size, config.max_prefill_tokens, release=self._release)
         self.last_step: StepTrace | None = None
         self._probe_rows_host: list[int] | None = None  # a probe's rows as `_propose` chose them, for `_draft`
         self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
@@ -284,7 +302,7 @@ class SpeculativeEngine:
         n_pre = batch.num_prefill
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
         probs = conf = lookup = row_limit = drafter_rows = rows_host = None
-        kind, seconds, features, draft_rows, drafted_width = "plain", 0.0, 0, 0, 0
+        kind, seconds, features, draft_rows, drafted_width = StepKind.PLAIN, 0.0, 0, 0, 0
         remaining = batch.remaining_host[n_pre:]  # every decision below reads host values only
         if batch.num_decode > 0:
             width = self.policy.draft_width(self.batch_drafter.num_draft_tokens) if self.batch_drafter else 0
@@ -294,18 +312,22 @@ class SpeculativeEngine:
             catch_up = batch.num_decode * max(pending) if self.batch_drafter else 0
             horizon = sum(remaining) // len(remaining)  # their mean, rounded down
             kind = self.policy.step_kind(batch.num_decode, width, catch_up, horizon)
-        if kind in ("draft", "probe"):
-            rows_host = self.policy.probe_rows(pending, remaining) if kind == "probe" else None
+        if kind.drafts:
+            rows_host = self.policy.probe_rows(pending, remaining) if kind == StepKind.PROBE else None
             draft_rows = batch.num_decode if rows_host is None else len(rows_host)
             features = draft_rows * max(pending if rows_host is None else [pending[r] for r in rows_host])
             self._probe_rows_host = rows_host
             rows = None if rows_host is None else upload(rows_host, self.device)
             start = clock(self.device)
-            tokens, probs, conf, lookup, row_limit, drafter_rows, drafted_width = self._draft(batch, rows)
+            drafted = self._draft(batch, rows)
             seconds = clock(self.device) - start
-        elif kind == "lookup":
-            tokens, probs, conf, lookup, row_limit = self._lookup_only(batch)
-        if kind != "plain":
+            tokens, probs, conf, lookup, row_limit = drafted.tokens, drafted.probs, drafted.conf, drafted.use, \
+                drafted.lengths
+            drafter_rows, drafted_width = drafted.drafter_rows, drafted.width
+        elif kind == StepKind.LOOKUP:
+            found = self._lookup_only(batch)
+            tokens, probs, conf, lookup, row_limit = found.tokens, found.probs, found.conf, found.use, found.lengths
+        if kind != StepKind.PLAIN:
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
             probs = _pad_rows(probs, n_pre) if probs is not None else None
             drafter_rows = _pad_rows(drafter_rows, n_pre) if drafter_rows is not None else None
@@ -317,7 +339,7 @@ class SpeculativeEngine:
             num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
             lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
             # the host knows the limit of a probe without lookups (its rows' width); a lookup's is the device's
-            probed = set(rows_host) if kind == "probe" and not self.policy.uses_lookup else None
+            probed = set(rows_host) if kind == StepKind.PROBE and not self.policy.uses_lookup else None
             num_drafted_host = None if probed is None else [
                 n if i >= n_pre and i - n_pre in probed else 0 for i, n in enumerate(num_drafted_host)]
         full_rows = None
@@ -329,11 +351,9 @@ class SpeculativeEngine:
         return Proposal(tokens, probs, conf, lookup, num_drafted, kind, drafter_rows, full_rows, seconds, draft_rows,
                         features, num_drafted_host)
 
-    def _draft(self, batch: ScheduledBatch, rows=None):
+    def _draft(self, batch: ScheduledBatch, rows=None) -> Drafted:
         """The decoding rows' proposals when the drafter drafts for all of them, or for the decoding rows `rows`
-        (indices) only: tokens `[n_dec, K]`, probs `[n_dec, K, V]` or None, confidence `[n_dec, K]`, which rows took
-        an n-gram lookup `[n_dec]` and how many positions each carries `[n_dec]` (None, None: no lookups), which
-        rows the drafter drafted `[n_dec]` and how many positions it drafted."""
+        (indices) only (`Drafted`)."""
         n_pre, dec = batch.num_prefill, slice(batch.num_prefill, None)
         requests, remaining, n_dec = batch.requests[dec], batch.remaining[dec], batch.num_decode
         drafted = torch.ones(n_dec, dtype=torch.bool, device=self.device)
@@ -347,8 +367,8 @@ class SpeculativeEngine:
         chosen = [requests[i] for i in rows_host]
         k = self.policy.draft_width(self.batch_drafter.num_draft_tokens)
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])
-        keep_going = self.policy.drafting_bound(pick(remaining), batch.num_decode, pick(batch.sampled[dec]),
-                                                self.plan_acceptance) if self.early_stop_drafting else None
+        keep_going = self.policy.drafting_bound(pick(remaining), batch.num_decode, pick(batch.sampled[dec])
+                                                ) if self.early_stop_drafting else None
         select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence)
         tokens, probs, conf = self.runner.draft(pick(batch.slots[dec]), k, select, keep_going,
                                                 slots_host=[batch.slots_host[n_pre + i] for i in rows_host])
@@ -358,12 +378,14 @@ class SpeculativeEngine:
             probs = _scatter_rows(probs, rows, n_dec) if probs is not None else None
         if not self.policy.uses_lookup:
             limit = None if rows is None else torch.where(drafted, width, 0)
-            return tokens, probs, conf, None if rows is None else torch.zeros_like(drafted), limit, drafted, width
-        return *self._lookup(requests, batch.remaining_host[n_pre:], batch.sampled[dec], tokens, probs, conf,
-                             None if rows is None else drafted), drafted, width
+            return Drafted(tokens, probs, conf, None if rows is None else torch.zeros_like(drafted), limit, drafted,
+                           width)
+        found = self._lookup(requests, batch.remaining_host[n_pre:], batch.sampled[dec], tokens, probs, conf,
+                             None if rows is None else drafted)
+        return Drafted(found.tokens, found.probs, found.conf, found.use, found.lengths, drafted, width)
 
-    def _lookup_only(self, batch: ScheduledBatch):
-        """`_draft`'s outputs for a lookup step: each decoding row's n-gram lookup, where it has one, and nothing
+    def _lookup_only(self, batch: ScheduledBatch) -> LookupChoice:
+        """The proposals of a lookup step: each decoding row's n-gram lookup, where it has one, and nothing
         else (a deterministic proposal: its q is one-hot, which rejection-sampled rows are verified against)."""
         dec = slice(batch.num_prefill, None)
         n_dec, sampled = batch.num_decode, batch.sampled[dec]
@@ -377,7 +399,7 @@ class SpeculativeEngine:
         """Calibration learns the step's outcomes (on the device); the host reads everything it needs of the step
         in one copy (`_read`); the runner keeps the accepted tokens (KV, drafter features, anchors); the scheduler
         hands them to their requests and finishes those that ended. Returns the events and what was read."""
-        if proposal.kind != "plain":
+        if proposal.kind != StepKind.PLAIN:
             self.policy.observe(proposal.conf, depth, verified.num_accepted, proposal.proposed, proposal.lookup)
         host = self._read(proposal, verified, trace)
         host["depth"] = depth_host
@@ -448,7 +470,7 @@ class SpeculativeEngine:
             del trace._survival
         trace.budget = sum(host["depth"])
         trace.prefill = [len(p) for p in batch.prompts] + [0] * batch.num_decode
-        trace.choice = {"draft": "speculative", "probe": "probe", "lookup": "lookup"}.get(proposal.kind, "plain")
+        trace.choice = {StepKind.DRAFT: "speculative"}.get(proposal.kind, proposal.kind.value)
         trace.drafted_tokens = sum(host["num_drafted"])
         trace.verified_tokens = sum(host["depth"])
         trace.pruned_tokens = trace.drafted_tokens - trace.verified_tokens
@@ -457,7 +479,7 @@ class SpeculativeEngine:
         t = self.totals
         t["steps"] += 1
         t["speculative_steps"] += int(proposal.drafted)
-        t["lookup_steps"] += int(proposal.kind == "lookup" and trace.verified_tokens > 0)
+        t["lookup_steps"] += int(proposal.kind == StepKind.LOOKUP and trace.verified_tokens > 0)
         t["tokens"] += sum(len(e.token_ids) for e in events)
         t["decode_row_steps"] += batch.num_decode
         t["drafted"] += trace.drafted_tokens
@@ -469,7 +491,7 @@ class SpeculativeEngine:
         t["seconds"] += seconds
         decode_tokens = accepted + batch.num_decode
         # the measured kind: what the step cost is what it did (a lookup step that verified nothing was plain)
-        kind = {"draft": True, "probe": dcut.PROBE}.get(proposal.kind, dcut.LOOKUP if trace.verified_tokens else False)
+        kind = StepKind.PLAIN if proposal.kind == StepKind.LOOKUP and not trace.verified_tokens else proposal.kind
         self.policy.observe_step(kind, batch.num_prefill, batch.num_decode, decode_tokens, seconds,
                                  fed_tokens=batch.num_decode + trace.verified_tokens,
                                  draft_seconds=proposal.draft_seconds, draft_rows=proposal.draft_rows,
@@ -494,14 +516,15 @@ class SpeculativeEngine:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prefill_tokens={self.max_prefill_tokens}")
         return prompt
 
-    # ---- the rules, as methods a subclass may swap (the tests swap in known-wrong ones to prove their power) ----------
+    # ---- the rules, as methods a subclass may swap (the tests swap in known-wrong ones to prove their power); the
+    # policy is given `plan_acceptance` once, at construction --------------------------------------------------------
     def draft_confidence(self, probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """`dcut.draft_confidence` (why it may not look at `token`: the comment above it)."""
-        return dcut.draft_confidence(probs, token)
+        """`angelspec_hf.policy.draft_confidence` (why it may not look at `token`: the comment above it)."""
+        return draft_confidence(probs, token)
 
     def plan_acceptance(self, accept: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """`dcut.plan_acceptance`."""
-        return dcut.plan_acceptance(accept, sampled)
+        """`angelspec_hf.policy.plan_acceptance`."""
+        return plan_acceptance(accept, sampled)
 
     def _process(self, logits, requests, span):
         """Each request's sampling distribution: `verification.process_requests`."""
@@ -510,12 +533,11 @@ class SpeculativeEngine:
     def _acceptance(self, conf, lookup):
         return self.policy.acceptance(conf, lookup)
 
-    def _lookup(self, requests, remaining, sampled, tokens, probs, conf, drafted=None):
+    def _lookup(self, requests, remaining, sampled, tokens, probs, conf, drafted=None) -> LookupChoice:
         span = self.policy.lookup_tokens
         if self.batch_drafter is not None:
             span = min(span, self.batch_drafter.num_draft_tokens)
-        return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, self.plan_acceptance,
-                                  drafted)
+        return self.policy.lookup(requests, remaining, sampled, tokens, probs, conf, span, drafted)
 
     def _select(self, accept, num_drafted, n_dec, trace, sampled, proposal=None) -> torch.Tensor:
         """D-Cut's depth `[B]` per row (`DCutPolicy.select`) for the step's `proposal` (None: a drafted one), recorded
@@ -524,8 +546,8 @@ class SpeculativeEngine:
             return torch.zeros_like(num_drafted)
         drafted, full = (True, None) if proposal is None else (proposal.drafted, proposal.full_rows)
         # a bound on the tokens drafted, from shapes alone (`select` would read their sum)
-        depth, survival = self.policy.select(accept, num_drafted, n_dec, sampled, self.plan_acceptance, drafted,
-                                             full, max_extra=accept.shape[0] * accept.shape[1])
+        depth, survival = self.policy.select(accept, num_drafted, n_dec, sampled, drafted, full,
+                                             max_extra=accept.shape[0] * accept.shape[1])
         trace._survival = survival  # read with the step's results (`_read`)
         return depth
 
@@ -552,17 +574,21 @@ def _unflatten(values: list, shape: tuple) -> list:
     return [_unflatten(values[i * inner : (i + 1) * inner], shape[1:]) for i in range(shape[0])]
 
 
-def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: int = 64, verify="auto",
+def generate_batch(target, drafter, prompts, *, tokenizer=None, max_new_tokens: int = 64, verify=None,
                    do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                   seed: int | None = None, max_batch_size: int = 32, engine: SpeculativeEngine | None = None,
-                   return_engine: bool = False):
+                   seed: int | None = None, max_batch_size: int | None = None, config: EngineConfig | None = None,
+                   engine: SpeculativeEngine | None = None, return_engine: bool = False):
     """Generate for many prompts at once with the continuous-batching speculative engine.
 
     prompts: token-id lists (or strings, with `tokenizer`: the chat template is applied). Returns the generated token
     ids per prompt, in order (and the engine when `return_engine`). Request i gets seed `seed + i` when `seed` is set.
-    Raises `GenerationFailed` (after the other prompts finished) when some prompts failed on their own.
+    The engine: `engine` when given, else one built from `config` (default `EngineConfig()`: verify "auto", 32
+    slots) with `verify` and `max_batch_size` overriding it where given. Raises `GenerationFailed` (after the other
+    prompts finished) when some prompts failed on their own.
     """
-    engine = engine or SpeculativeEngine(target, drafter, verify=verify, max_batch_size=max_batch_size)
+    if engine is None:
+        overrides = {k: v for k, v in (("verify", verify), ("max_batch_size", max_batch_size)) if v is not None}
+        engine = SpeculativeEngine(target, drafter, config, **overrides)
     ids = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):

@@ -2,7 +2,7 @@
 anchor (the last emitted token, not yet seen by the target) and the target features of accepted tokens the drafter
 has not ingested yet; it builds the inputs of the one packed target forward per step (prompts of new requests,
 `[anchor, draft[:depth]]` of the others), runs it, and returns the logits of every verified position; it feeds the
-drafter its pending features and times dummy steps for the cost model (`dcut.load_or_profile` takes the runner).
+drafter its pending features and times dummy steps for the cost model (`angelspec_hf.policy.load_or_profile` takes the runner).
 
 It knows nothing of requests, sampling or D-Cut: the engine hands it slots, token ids and depths, each also as host
 integers where a shape depends on it, so that it never reads the device to size a step: its per-slot state (KV
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from angelspec_hf.modeling.draft_policy import clock
+from angelspec_hf.policy import clock
 
 from .drafting import BatchDrafter
 from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep, pages_for

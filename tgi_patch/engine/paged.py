@@ -45,9 +45,8 @@ class PagedKVPool:
 
     Page 0 is never handed out: padding positions read and write its slot 0, and every mask hides them. It is the one
     page zeroed: every other slot is read only after a key was written to it (a sequence's positions below its length),
-    so the rest is left uninitialised (`torch.empty`). Zero-filled, 32,768 tokens of the embedded target's fp32 keys
-    (750 MB) took 1.2 s to allocate on this project's 2-core Xeon, and doubling them with `torch.cat` 4.7 s; an
-    engine that started at 1,024 tokens grew in the middle of a fresh burst's decoding steps.
+    so the rest is left uninitialised (`torch.empty`): zero-filling a large pool, or growing it by `torch.cat`, costs
+    seconds on a CPU, in the middle of a burst's decoding steps.
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_seqs, page_size=PAGE_SIZE,

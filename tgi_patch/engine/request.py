@@ -129,7 +129,7 @@ class Request:
     cancelled: bool = False
     prefilled: bool = False
     penalties: PenaltyState | None = None
-    ngram_index: object = field(default=None, repr=False, compare=False)  # `dcut.NgramIndex` of its context
+    ngram_index: object = field(default=None, repr=False, compare=False)  # `angelspec_hf.policy.NgramIndex` of its context
 
     @property
     def coupled(self) -> bool:

@@ -18,7 +18,7 @@ seed alone, never on which other requests share the batch. How a sampled request
   budget, or with lookups, follows the batch; the engine draws it a random seed, so there is nothing to reproduce. A
   position's DRAFT number is drawn again when a later step drafts that position again (its earlier draft was not
   verified): harmless only because an unverified draft leaves no trace in what any step decides (no plan reads such
-  a request's drawn tokens: `dcut.py`, above `draft_confidence`); keep it that way.
+  a request's drawn tokens: `angelspec_hf/policy/acceptance.py`, above `draft_confidence`); keep it that way.
 
 Penalties (applied to the target's logits before temperature / top-k / top-p, as in transformers and TGI):
 - `repetition_penalty` r (transformers' / TGI's rule, over prompt + generated tokens): a token already seen has its
@@ -88,7 +88,7 @@ def _exponential_(k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.neg_().log1p_().neg_()
 
 
-_CPU_BLOCK = 1 << 18  # values per block on CPU: they stay in cache (3x faster than whole tensors on a 2-core Xeon)
+_CPU_BLOCK = 1 << 18  # values per block on CPU: they stay in cache, where whole tensors do not
 
 
 def _exponentials(rows: torch.Tensor, vocab_size: int, probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,8 +128,7 @@ def gumbel_scores(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
     position) (broadcast to `probs.shape[:-1]`): `p / E` (an exponential race), whose argmax is the Gumbel-max draw
     `argmax(log p + G)` with `G = -log E` = `gumbel(seeds, positions, V)`: an exact draw from each row, and the same
     token for the same (seed, position, probs) wherever it is computed; a seeded request's draws (module docstring).
-    V hashes per row, vectorised (on CPU in cache-sized blocks of rows: about 10 ns a value on one core of this
-    project's Xeon, 0.5 ms per row of SmolLM2's 49,152 tokens)."""
+    V hashes per row, vectorised (on CPU in cache-sized blocks of rows)."""
     rows = _key(seeds, positions, GUMBEL).expand(probs.shape[:-1]).reshape(-1)
     v = probs.shape[-1]
     return _exponentials(rows, v, probs.reshape(-1, v)).reshape(probs.shape)

@@ -173,8 +173,8 @@ def verify_forward(forward, draft, draft_probs, depth, requests, process=process
 def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None = None) -> Verified:
     """Greedy verification of `depth [B]` draft tokens `draft [B, K]` against `logits [P, V]` at their rows
     `positions [B, span]` (as `verify_drafts` with `raw = logits[positions]` and every request greedy, the same
-    tokens), reading the B + verified rows it needs instead of B x span: with one request verifying a 10-token lookup
-    beside 31 that verify none, the padded copy and its log-softmax took 85 ms of a 320 ms step on this CPU.
+    tokens), reading the B + verified rows it needs instead of B x span (one request verifying a long lookup beside
+    many that verify none would otherwise copy and normalise a padded block for every row).
     `depth_host`: `depth` as a host list (else read), which says which rows those are."""
     rows, span = positions.shape
     dev = logits.device

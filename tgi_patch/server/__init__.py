@@ -22,24 +22,39 @@ tokenizer, model_id)` builds the app around any engine with the `SpeculativeEngi
 - `worker.py`: `EngineWorker`, the one thread that owns the engine, and each request's `RequestHandle`.
 - `metrics.py`: `ServingMetrics`, the Prometheus metrics.
 - `serving.py`: `TGIServer`: validation, jobs, streaming and responses shared by the routes.
-- `app.py`: the FastAPI app (`create_app`), `serve`, `running_in_thread`.
+- `config.py`: `ServeConfig`, every setting of `angelspec serve` (the engine's `EngineConfig` among them).
+- `app.py`: the FastAPI app (`create_app`), `build_app` (models, engine and app from a `ServeConfig`), `serve`,
+  `running_in_thread`.
 """
 
-try:  # the serve extra; this message rather than a bare ModuleNotFoundError
-    import anyio  # noqa: F401
-    import fastapi  # noqa: F401
-    import sse_starlette  # noqa: F401
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError("`angelspec serve` needs the serve extra: pip install 'angelspec-hf[serve]'") from exc
+import importlib
 
-from .app import ROUTES, create_app, running_in_thread, serve
-from .errors import ServingError, ValidationError
-from .metrics import ServingMetrics
-from .protocol import ChatRequest, CompletionRequest, GenerateRequest
-from .serving import TGIServer
-from .text import TextStream, check_text, message_text
-from .worker import EngineWorker
+_EXPORTS = {  # name -> its module; imported on first use, so that `ServeConfig` (and `angelspec serve --help`, built
+    # from it) needs neither the serve extra nor its import time
+    "ServeConfig": "config", "APP_LIMITS": "config",
+    "ROUTES": "app", "build_app": "app", "create_app": "app", "running_in_thread": "app", "serve": "app",
+    "ServingError": "errors", "ValidationError": "errors", "ServingMetrics": "metrics", "ChatRequest": "protocol",
+    "CompletionRequest": "protocol", "GenerateRequest": "protocol", "TGIServer": "serving", "TextStream": "text",
+    "check_text": "text", "message_text": "text", "EngineWorker": "worker",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["ROUTES", "ChatRequest", "CompletionRequest", "EngineWorker", "GenerateRequest", "ServingError",
-           "ServingMetrics", "TGIServer", "TextStream", "ValidationError", "check_text", "create_app", "message_text",
-           "running_in_thread", "serve"]
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module != "config":
+        try:  # the serve extra; this message rather than a bare ModuleNotFoundError
+            import anyio  # noqa: F401
+            import fastapi  # noqa: F401
+            import sse_starlette  # noqa: F401
+        except ImportError as exc:
+            raise ImportError("`angelspec serve` needs the serve extra: pip install 'angelspec-hf[serve]'") from exc
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,13 +1,16 @@
 """The HTTP layer of `angelspec serve`: `create_app(engine, tokenizer, model_id)` wires `TGIServer` (`serving.py`) into
 a FastAPI app: TGI's routes, the payload limit and request metrics as middleware, every error as TGI's
 `{"error", "error_type"}`, the engine's worker thread started and stopped with the app's lifespan, this server's own
-limits filled into the OpenAPI schema; `serve` runs it under uvicorn, `running_in_thread` in the background."""
+limits filled into the OpenAPI schema; `build_app(ServeConfig)` loads the models and builds engine and app from one
+config; `serve` runs it under uvicorn, `running_in_thread` in the background."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import os
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import asdict, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from . import protocol
+from .config import APP_LIMITS, ServeConfig
 from .errors import ServingError
 from .metrics import ServingMetrics
 from .protocol import ChatRequest, CompletionRequest, GenerateRequest, TokenizeRequest
@@ -88,41 +92,42 @@ class _PayloadLimitMiddleware:
 _HTTP_ERROR_TYPES = {400: "validation", 404: "not_found", 405: "method_not_allowed", 413: "validation"}
 
 
-def create_app(engine, tokenizer, model_id: str, *, max_input_tokens: int = 1024, max_total_tokens: int = 2048,
-               max_concurrent_requests: int = 128, max_stop_sequences: int = 4, max_stop_length: int = 256,
-               max_payload_bytes: int = 2_000_000, max_client_batch_size: int = 4, info_extra: dict | None = None,
-               graceful_shutdown_s: float = 30.0) -> FastAPI:
+def create_app(engine, tokenizer, model_id: str, config: ServeConfig | None = None, *, info_extra: dict | None = None,
+               **limits) -> FastAPI:
     """A FastAPI app serving `engine` (a `SpeculativeEngine` or anything with its interface) over TGI's protocol.
 
-    The limits are TGI's (`/info` reports them), plus `max_stop_length` (characters per stop string) and
-    `max_payload_bytes` (request body; TGI's `--payload-limit`); `max_client_batch_size` prompts per `/v1/completions`
-    request. The engine's worker thread starts and stops with the app's lifespan (uvicorn runs it); on shutdown, open
-    streams get `graceful_shutdown_s` to finish, then are cut, and whatever the engine still runs ends as
-    `incomplete_generation`."""
-    server = TGIServer(engine, tokenizer, model_id, max_input_tokens=max_input_tokens,
-                       max_total_tokens=max_total_tokens, max_concurrent_requests=max_concurrent_requests,
-                       max_stop_sequences=max_stop_sequences, max_stop_length=max_stop_length,
-                       max_client_batch_size=max_client_batch_size, info_extra=info_extra,
-                       graceful_shutdown_s=graceful_shutdown_s)
+    Its limits are `config`'s (a `ServeConfig`; default: `ServeConfig()`), each of which a keyword argument
+    overrides (`max_input_tokens=128`; any other keyword is a `TypeError`): TGI's (`/info` reports them), plus
+    `max_stop_length` (characters per stop string) and `max_payload_bytes` (request body; TGI's `--payload-limit`);
+    `max_client_batch_size` prompts per `/v1/completions` request. `info_extra` is added to `/info`. The engine's
+    worker thread starts and stops with the app's lifespan (uvicorn runs it); on shutdown, open streams get
+    `graceful_shutdown_s` to finish, then are cut, and whatever the engine still runs ends as
+    `incomplete_generation`. `build_app` builds the engine and the app from a `ServeConfig` alone."""
+    unknown = sorted(set(limits) - set(APP_LIMITS))
+    if unknown:
+        raise TypeError(f"create_app got unexpected keyword argument(s) {', '.join(unknown)}; the limits are "
+                        f"{', '.join(APP_LIMITS)}")
+    config = replace(config or ServeConfig(), **limits)
+    server = TGIServer(engine, tokenizer, model_id, info_extra=info_extra,
+                       **{name: getattr(config, name) for name in APP_LIMITS if name != "max_payload_bytes"})
 
     @asynccontextmanager
     async def lifespan(app):
         server.worker.start()
         yield
-        await asyncio.to_thread(server.worker.shutdown, graceful_shutdown_s)
+        await asyncio.to_thread(server.worker.shutdown, config.graceful_shutdown_s)
 
     app = FastAPI(title="angelspec-hf", version=server_version(), lifespan=lifespan,
                   description="TGI's protocol on a batched speculative engine; every error is TGI's "
                               "`{error, error_type}`.")
-    app.state.server = server
-    app.add_middleware(_PayloadLimitMiddleware, limit=max_payload_bytes)
+    app.state.server, app.state.config = server, config
+    app.add_middleware(_PayloadLimitMiddleware, limit=config.max_payload_bytes)
     app.add_middleware(_MetricsMiddleware, metrics=server.metrics)
 
     _add_error_handlers(app)
     _add_generation_routes(app, server)
     _add_service_routes(app, server, tokenizer, model_id)
-    _document_limits(app, max_stop_sequences, max_stop_length, max_client_batch_size, max_input_tokens,
-                     max_total_tokens)
+    _document_limits(app, config)
     return app
 
 
@@ -227,24 +232,69 @@ def _add_service_routes(app: FastAPI, server: TGIServer, tokenizer, model_id: st
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _document_limits(app: FastAPI, max_stop_sequences: int, max_stop_length: int, max_client_batch_size: int,
-                     max_input_tokens: int, max_total_tokens: int) -> None:
+def _document_limits(app: FastAPI, config: ServeConfig) -> None:
     """This server's own limits in the OpenAPI schema. What depends on the tokenizer (a prompt's length in tokens,
     and with it prompt + new tokens <= `max_total_tokens`) cannot be stated there; its bound alone can: at most
     `max_total_tokens - 1` new tokens (a prompt has at least one), `truncate` at most `max_input_tokens`."""
     schemas = app.openapi()["components"]["schemas"]
+    max_input_tokens, max_total_tokens = config.max_input_tokens, config.max_total_tokens
     most_new = {"maximum": max_total_tokens - 1}
     schemas["GenerateParameters"]["properties"]["max_new_tokens"]["anyOf"][0].update(most_new)
     schemas["GenerateParameters"]["properties"]["truncate"]["anyOf"][0].update(maximum=max_input_tokens)
     for name, field in (("ChatRequest", "max_tokens"), ("ChatRequest", "max_completion_tokens"),
                         ("CompletionRequest", "max_tokens")):
         schemas[name]["properties"][field]["anyOf"][0].update(most_new)
-    stop = protocol.stop_schema(max_stop_sequences, max_stop_length)
+    stop = protocol.stop_schema(config.max_stop_sequences, config.max_stop_length)
     schemas["GenerateParameters"]["properties"]["stop"].update(stop)
     for name in ("ChatRequest", "CompletionRequest"):
         schemas[name]["properties"]["stop"]["anyOf"] = [stop["items"], stop, {"type": "null"}]
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    next(p for p in prompt if p.get("type") == "array").update(minItems=1, maxItems=max_client_batch_size)
+    next(p for p in prompt if p.get("type") == "array").update(minItems=1, maxItems=config.max_client_batch_size)
+
+
+def build_app(config: ServeConfig, log=print):
+    """`(app, engine)`: the target, its drafter (`pick_drafter`: n-gram lookup where no trained drafter fits, with
+    `lookup_tokens` = `NGRAM_LOOKUP_TOKENS` unless `config.engine` sets it) and the batched engine on them, loaded as
+    `config` says, and the TGI app around them, its token limits clamped to the target's positions and the engine's
+    prefill budget. Sets torch's CPU threads to `config.threads`. `log` receives what is loaded and why."""
+    import torch
+
+    from angelspec_hf.cpu_kernels import use_linear_kernels
+    from angelspec_hf.devices import resolve_device, resolve_dtype
+    from angelspec_hf.shipped import NGRAM_LOOKUP_TOKENS, pick_drafter
+    from angelspec_hf.targets import DEFAULT_TARGET, load_target
+    from angelspec_hf.tgi_patch.engine import SpeculativeEngine
+
+    torch.set_num_threads(config.threads)
+    model_id = config.target or DEFAULT_TARGET
+    device = resolve_device(config.device)  # a device this machine lacks: `DeviceError` before anything loads
+    dtype = resolve_dtype(config.dtype, device)
+    log(f"loading target: {model_id} on {device} ({str(dtype).removeprefix('torch.')}) ...")
+    target, tokenizer = load_target(config.target, device=device, dtype=dtype)
+    choice = pick_drafter(config.drafter, target)
+    if choice.kind in ("lookup", "untrained"):
+        log(f"NOTE: {choice.note}" + (": outputs are still the target's own, but expect a slow-down."
+                                     if choice.kind == "untrained" else "."))
+    elif choice.kind != "none":
+        log(f"drafter: {choice.note}")
+    kernels = use_linear_kernels(config.linear_kernels, target, choice.drafter)
+    log(f"linear kernels: {kernels}")
+    engine_config = config.engine
+    if choice.kind == "lookup" and engine_config.lookup_tokens is None:
+        engine_config = replace(engine_config, lookup_tokens=NGRAM_LOOKUP_TOKENS)
+    if engine_config.verify == "auto":
+        log("cost model: the cached profile for this machine, or ~20 s of profiling ...")
+    engine = SpeculativeEngine(target, choice.drafter, engine_config)
+    max_total = min(config.max_total_tokens, engine.max_total_tokens)
+    limits = replace(config, max_total_tokens=max_total, engine=engine.config,
+                     max_input_tokens=min(config.max_input_tokens, max_total - 1, engine.max_prefill_tokens))
+    settings = {name: str(value) if isinstance(value, os.PathLike) else value
+                for name, value in asdict(engine.config).items()}
+    info = {"drafter": "ngram-lookup" if choice.kind == "lookup" else config.drafter,
+            "drafter_trained": choice.kind in ("trained", "given"), "verify": engine.config.verify,
+            "max_batch_size": engine.config.max_batch_size, "linear_kernels": kernels, "device": str(target.device),
+            "dtype": str(target.dtype).removeprefix("torch."), "engine": settings}
+    return create_app(engine, tokenizer, model_id, limits, info_extra={"angelspec": info}), engine
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",

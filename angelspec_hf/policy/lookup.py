@@ -1,4 +1,6 @@
-"""N-gram (prompt) lookup proposals, per request and incremental: `NgramIndex`."""
+"""N-gram (prompt) lookup proposals, incremental: `NgramIndex`. The batched engine keeps one per request, the
+`generate()` hook one per call; both calibrate a lookup's acceptance with an `AcceptanceCalibrator` whose confidence
+is the matched n-gram length over the longest."""
 
 from __future__ import annotations
 
@@ -6,8 +8,7 @@ from __future__ import annotations
 class NgramIndex:
     """Prompt lookup over one request's context (prompt + generated tokens), kept up to date as tokens arrive: for
     each n <= `max_ngram`, the latest start of every n-gram followed by at least one token. A lookup then costs
-    `max_ngram` dictionary probes instead of a scan of the whole context (and a tensor built from it) per row and
-    step; its results are `candidate_generator.ngram_continuation`'s."""
+    `max_ngram` dictionary probes instead of a scan of the whole context per row and step."""
 
     def __init__(self, max_ngram: int):
         self.max_ngram = max_ngram
@@ -25,11 +26,23 @@ class NgramIndex:
 
     def extend(self, prompt: list[int], generated: list[int]) -> None:
         """Add the tokens of `prompt + generated` past those indexed already."""
-        ids, split = self.ids, len(prompt)
-        for t in range(len(ids), split + len(generated)):
-            ids.append(prompt[t] if t < split else generated[t - split])
-            for n in range(1, min(self.max_ngram, t) + 1):  # the n-grams ending before token t: now followed
-                self.latest[n][tuple(ids[t - n : t])] = t - n
+        split = len(prompt)
+        for t in range(len(self.ids), split + len(generated)):
+            self._append(prompt[t] if t < split else generated[t - split])
+
+    def extend_to(self, ids) -> None:
+        """Bring the index up to `ids` (the whole context so far, a list or a 1-D tensor, whose first tokens are those
+        indexed already)."""
+        if len(ids) > len(self.ids):
+            new = ids[len(self.ids):]
+            for token in new.tolist() if hasattr(new, "tolist") else new:
+                self._append(token)
+
+    def _append(self, token: int) -> None:
+        ids, t = self.ids, len(self.ids)
+        ids.append(int(token))
+        for n in range(1, min(self.max_ngram, t) + 1):  # the n-grams ending before token t: now followed
+            self.latest[n][tuple(ids[t - n : t])] = t - n
 
     def continuation(self, num_tokens: int) -> tuple[list[int], int]:
         """`(tokens, n)`: at most `num_tokens` tokens that followed the latest earlier occurrence of the context's

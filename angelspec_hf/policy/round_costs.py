@@ -1,0 +1,137 @@
+"""The `generate()` hook's costs at batch 1: `step(n)` seconds for a target forward over `n` new tokens with its
+verification, `draft(k)` seconds for the drafter proposing `k` tokens. Profiled once per target, drafter, dtype,
+device and thread count (`load_or_profile_round_costs`), then refined from the rounds actually timed."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .costs import LinearFit, clock, default_cache_dir, hardware_key, profile_cached, write_profile
+
+
+class StepCost:
+    """Seconds of a target step over `n` new tokens. A plain step (`n = 1`) and a verifying one (`n >= 2`) are
+    different regimes on a CPU: a one-token forward runs its linears as matrix-vector products, a multi-token one as
+    small GEMMs, which can cost more for the same weights; one line through both would put the plain step at a
+    verifying round's cost (or the other way round). So each regime learns from its own rounds: an exponentially
+    weighted mean for `n = 1` and a `LinearFit` for `n >= 2`, both starting from the profile. The profile's plain cost
+    fades with every round, either kind, so that the first plain round after a long drafted stretch replaces a stale
+    profile; and a plain step is never costed above a verifying one of two tokens."""
+
+    def __init__(self, a: float, b: float, prior_span: float, plain: float | None = None, prior_weight: float = 4.0,
+                 decay: float = 0.99, prior_fade: float = 0.9):
+        self.line = LinearFit(a, b, prior_span=prior_span, prior_weight=prior_weight, decay=decay,
+                              prior_fade=prior_fade)
+        self.decay, self.prior_fade = decay, prior_fade
+        self._prior = torch.tensor([prior_weight, prior_weight * (a + b if plain is None else plain)],
+                                   dtype=torch.float64)
+        self._data = torch.zeros(2, dtype=torch.float64)
+
+    def add(self, n: float, y: float) -> None:
+        self._prior = self._prior * self.prior_fade
+        if n <= 1:
+            self._data = self._data * self.decay + torch.tensor([1.0, float(y)], dtype=torch.float64)
+        else:
+            self.line.add(n, y)
+
+    @property
+    def plain(self) -> float:
+        weight, total = (self._data + self._prior).tolist()
+        return total / weight
+
+    @property
+    def coef(self) -> tuple[float, float]:
+        return self.line.coef
+
+    def __call__(self, n: float) -> float:
+        return max(min(self.plain, self.line(2)), 1e-6) if n <= 1 else self.line(n)
+
+
+@dataclass
+class RoundCosts:
+    """Seconds: `step(n) = a + b·n` (target forward + verification over n new tokens), `draft(k) = c0 + c1·k`;
+    `plain_step`, when known, a plain step's own cost (else the line's value at 1: see `StepCost`). `path`: the cache
+    file refined costs are written back to (None: not cached)."""
+
+    step_coef: tuple[float, float]
+    draft_coef: tuple[float, float]
+    key: str = ""
+    path: Path | None = field(default=None, compare=False)
+    plain_step: float | None = None
+
+    def to_dict(self) -> dict:
+        data = {"step_coef": list(self.step_coef), "draft_coef": list(self.draft_coef), "key": self.key}
+        return data | ({"plain_step": self.plain_step} if self.plain_step is not None else {})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RoundCosts:
+        plain = data.get("plain_step")
+        return cls(tuple(data["step_coef"]), tuple(data["draft_coef"]), data.get("key", ""),
+                   plain_step=None if plain is None else float(plain))
+
+    def save(self) -> bool:
+        """Write to `path` (atomically); False when not cached or the cache cannot be written."""
+        return self.path is not None and write_profile(self.path, self.to_dict())
+
+
+@torch.no_grad()
+def profile_round_costs(target, drafter, context: int = 64, repeats: int = 3) -> RoundCosts:
+    """Time batch-1 target forwards over 1 and `K + 1` new tokens after a `context`-token prefix, and the drafter
+    proposing 1 and `K` tokens from that context."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    vocab = target.config.get_text_config().vocab_size
+    k = drafter.num_draft_tokens
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (1, context + k + 1), generator=generator).to(device)
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=ids[:, :context], cache=cache, use_cache=True, output_hidden_states=layers)
+    features = torch.cat([out.hidden_states[i] for i in layers], -1)
+
+    def timed_step(n):
+        start = clock(device)
+        target(input_ids=ids[:, context : context + n], cache=cache, use_cache=True, output_hidden_states=layers)
+        seconds = clock(device) - start
+        cache.crop(-n)
+        return seconds
+
+    def timed_draft(n):
+        state = drafter.new_draft_state()
+
+        def select(logits, j):
+            return logits.argmax(-1), logits.float(), None
+
+        start = clock(drafter.device)
+        drafter.propose(state, features.to(drafter.device), ids[:, : context + 1].to(drafter.device), n,
+                        target.get_input_embeddings(), drafter.draft_lm_head(target.get_output_embeddings()), select)
+        return clock(drafter.device) - start
+
+    timed_step(1), timed_draft(1)  # warm-up
+    step = [statistics.median(timed_step(n) for _ in range(repeats)) for n in (1, k + 1)]
+    draft = [statistics.median(timed_draft(n) for _ in range(repeats)) for n in (1, k)]
+    b = max(step[1] - step[0], 0.0) / max(k, 1)
+    c1 = max(draft[1] - draft[0], 0.0) / max(k - 1, 1)
+    return RoundCosts((step[0] - b, b), (max(draft[0] - c1, 0.0), c1))
+
+
+def load_or_profile_round_costs(target, drafter, cache_dir=None) -> RoundCosts:
+    """The cached round costs for these models on this hardware, else profiled now (and cached when the machine was
+    quiet: `costs.profile_cached`)."""
+    key = hardware_key(target, drafter)
+    path = Path(cache_dir or default_cache_dir()) / f"hook-{key}.json"
+
+    def measure() -> RoundCosts:
+        costs = profile_round_costs(target, drafter)
+        costs.key = key
+        return costs
+
+    costs, cached = profile_cached(path, RoundCosts.from_dict, measure, next(target.parameters()).device,
+                                   RoundCosts.to_dict)
+    costs.path = path if cached else None
+    return costs
