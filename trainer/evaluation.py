@@ -45,14 +45,33 @@ def whole_blocks(drafter):
             setattr(drafter.config, key, value)
 
 
+@contextmanager
+def own_forward(drafter):
+    """Run the drafter's own `forward`, in its own dtype. Under mixed precision (`--bf16`) accelerate's `prepare` replaces
+    a trained model's `forward` with one wrapped in bf16 autocast (keeping the original as `_original_forward`), so a
+    τ measured during such a run would draft in bf16 while inference drafts in the drafter's dtype; inside this
+    context the original is back, and the wrapper returns after."""
+    patched = drafter.__dict__.get("forward")
+    original = getattr(drafter, "_original_forward", None)
+    if patched is None or original is None:
+        yield drafter
+        return
+    drafter.forward = original
+    try:
+        yield drafter
+    finally:
+        drafter.forward = patched
+
+
 @torch.no_grad()
 def measure_acceptance(target, drafter, tokenizer, prompts: list[str], max_new_tokens: int = 64) -> dict:
     """Greedy (temperature 0) τ over `prompts`, whole blocks drafted: tokens per target forward, bonus token included,
-    pooled over rounds; `first` is the share of rounds whose first draft token was accepted."""
+    pooled over rounds; `first` is the share of rounds whose first draft token was accepted. The drafter runs as at
+    inference: its own forward in its own dtype, even mid-training under `--bf16` (`own_forward`)."""
     was_training = drafter.training
     drafter.eval()
     accepted = rounds = first = 0
-    with whole_blocks(drafter):
+    with whole_blocks(drafter), own_forward(drafter):
         for prompt in prompts:
             ids = chat_input_ids(tokenizer, prompt).to(target.device)
             target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)

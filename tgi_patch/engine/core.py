@@ -88,22 +88,11 @@ class Drafted(LookupChoice):
 class SpeculativeEngine:
     """Continuous batching with speculative decoding: `add_request`, then `step()` until `has_work` is False.
 
-    Its settings are an `EngineConfig` (`config`; `self.config` holds it); each of its fields may also be given as a
-    keyword argument, which overrides the config's (`dataclasses.replace`, validated again); any other keyword is a
-    `TypeError`. `cost_model` and `calibrator` are runtime objects, not settings. The settings:
-    `verify`: "auto" (D-Cut: the verification budget that maximises expected tokens per second under the cost model,
-    backing off to plain steps when speculation does not pay, planned or measured), "budget:N", "depth:N" or "full".
-    `cost_model`: a fixed `CostModel` (else profiled once and cached in `cost_model_cache`). `lookup_tokens`: n-gram
-    lookup proposals (default: the drafter config's). `measure_rates=False` turns off the measured-rate back-off
-    (decisions then do not depend on this machine's timing). `kv_cache_tokens`: the tokens the target's and the
-    drafter's KV pools hold before they grow (default `max_batch_size` x `KV_TOKENS_PER_SEQUENCE`); reserved, not
-    written, so on CPU memory is used only as tokens are held (on a GPU it is allocated up front, as TGI's
-    warm-up allocates its KV blocks), and a pool that must grow copies itself once per doubling. `isolate_faults`: a
-    step that raises is retried without the requests it fails for, which finish with `finish_reason="error"`
-    (`step`); False: the exception propagates. `early_stop_drafting`: in "auto" mode, stop drafting at the first
-    position no request could have verified (`DCutPolicy.drafting_bound`), which reads the device once per drafted
-    position; default: on CPU, where a read costs nothing and a position not computed saves its time (elsewhere the
-    whole block is drafted and D-Cut still chooses what to verify)."""
+    Its settings are an `EngineConfig` (`config`; `self.config` holds it; each field's help says what it does, as
+    `angelspec serve --help` lists them); each of its fields may also be given as a keyword argument, which overrides
+    the config's (`dataclasses.replace`, validated again); any other keyword is a `TypeError`. `cost_model` (a fixed
+    `CostModel`, else profiled once and cached in `config.cost_model_cache`) and `calibrator` (an
+    `AcceptanceCalibrator` to start from) are runtime objects, not settings."""
 
     KV_TOKENS_PER_SEQUENCE = 1024
 
