@@ -20,21 +20,24 @@ serves the next; what depends on the text (the back-off, the rate of drafted rou
 
 from __future__ import annotations
 
-from angelspec_hf.policy import AcceptanceCalibrator, BackOff, LinearFit, MeasuredRates, RoundCosts, StepCost, StepKind
+from angelspec_hf.policy import (AcceptanceCalibrator, BackOff, LinearFit, MeasuredRates, QuietWindow, RoundCosts, StepCost,
+                                 StepKind)
 
 
 class DraftLengthPolicy:
     """Per-round draft length for the batch-1 hook (see the module docstring). `measure=False`: no measured-rate
-    back-off (decisions then do not depend on timing); `shadow_probes=False`: probes always draft."""
+    back-off (decisions then do not depend on timing); `shadow_probes=False`: probes always draft. `device`: the
+    models' (refined costs are written back to the cache only after rounds during which other processes left the CPU
+    alone: `QuietWindow`)."""
 
     SAVE_EVERY = 32  # timed rounds between write-backs of the refined costs to the cache file
 
     def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64,
-                 measure: bool = True, shadow_probes: bool = True):
+                 measure: bool = True, shadow_probes: bool = True, device="cpu"):
         self.step = StepCost(*costs.step_coef, prior_span=max_tokens + 1, plain=costs.plain_step)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.costs = costs
-        self._timed = 0
+        self._timed, self._window = 0, QuietWindow(device)
         self.calibrator = AcceptanceCalibrator(num_positions=max_tokens, prior_weight=2.0, prior_scale=0.7)
         self.lookups = AcceptanceCalibrator(prior=0.5, num_positions=max(max_tokens, 16))
         self.max_tokens, self.probe_every = max_tokens, probe_every
@@ -163,6 +166,6 @@ class DraftLengthPolicy:
 
     def _timed_round(self) -> None:
         self._timed += 1
-        if self._timed % self.SAVE_EVERY == 0:
+        if self._timed % self.SAVE_EVERY == 0 and self._window.quiet():
             c = self.costs
             RoundCosts(self.step.coef, self.draft.coef, c.key, c.path, plain_step=self.step.plain).save()

@@ -74,7 +74,7 @@ def draft_policy(drafter, target, cache_dir=None) -> DraftLengthPolicy:
     policy = getattr(drafter, "_draft_policies", {}).get(key)
     if policy is None:
         costs = load_or_profile_round_costs(target, drafter, cache_dir)
-        policy = DraftLengthPolicy(costs, drafter.num_draft_tokens)
+        policy = DraftLengthPolicy(costs, drafter.num_draft_tokens, device=next(target.parameters()).device)
         drafter._draft_policies = {key: policy}
     return policy
 

@@ -594,3 +594,33 @@ def test_a_profile_measured_while_other_processes_load_the_cpu_is_used_but_not_c
     monkeypatch.setenv("ANGELSPEC_PROFILE_MAX_OTHER_LOAD", "many")
     with pytest.raises(ValueError, match="ANGELSPEC_PROFILE_MAX_OTHER_LOAD"):
         profile_cached(tmp_path / "other.json", RoundCosts.from_dict, profile, "cpu", RoundCosts.to_dict)
+
+
+@pytest.mark.parametrize("other_cores, written", [(1.4, False), (0.1, True)])
+def test_refined_costs_are_written_back_only_after_quiet_rounds(tmp_path, monkeypatch, other_cores, written):
+    """Refined costs are measured under the present load: written back after rounds during which other processes kept
+    more than `max_other_load()` cores busy, they would be a busy machine's costs in the cache, like a busy profile.
+    The hook's policy and the engine's cost model both skip that write-back and make it after quiet rounds."""
+    from angelspec_hf.policy import CostModel, OtherLoad
+
+    real_exit = OtherLoad.__exit__
+
+    def pinned_exit(self, *exc):
+        real_exit(self, *exc)
+        self.cores = other_cores  # what the machine's counters said, pinned: the rule is what is under test
+
+    monkeypatch.setenv("ANGELSPEC_PROFILE_MAX_OTHER_LOAD", "0.5")
+    monkeypatch.setattr(OtherLoad, "__exit__", pinned_exit)
+    path = tmp_path / "hook-k.json"
+    policy = DraftLengthPolicy(RoundCosts((0.2, 0.016), (0.02, 0.008), "k", path), 7)
+    for i in range(DraftLengthPolicy.SAVE_EVERY):
+        policy.observe(2, 1, 0.009, 0.062)
+    assert path.exists() is written
+    if written:
+        assert RoundCosts.from_dict(json.loads(path.read_text())).step_coef[0] < 0.2  # refined towards 0.05
+    engine_path = tmp_path / "engine.json"
+    model = CostModel((0.1, 0.01, 0.02), (0.01, 0.001, 0.0001), key="e", path=engine_path)
+    model.refine()
+    for _ in range(CostModel.SAVE_EVERY):
+        model.observe_verify(8, 16, 0.3)
+    assert engine_path.exists() is written

@@ -21,6 +21,7 @@ from .costs import (
     LinearFit,
     OnlineLeastSquares,
     OtherLoad,
+    QuietWindow,
     clock,
     default_cache_dir,
     hardware_key,
@@ -34,7 +35,7 @@ from .round_costs import RoundCosts, StepCost, load_or_profile_round_costs, prof
 
 __all__ = [
     "AcceptanceCalibrator", "BackOff", "CostModel", "LinearFit", "MeasuredRates", "NgramIndex", "OnlineLeastSquares",
-    "OtherLoad", "RoundCosts", "StepCost", "StepKind", "clock", "default_cache_dir", "draft_confidence",
+    "OtherLoad", "QuietWindow", "RoundCosts", "StepCost", "StepKind", "clock", "default_cache_dir", "draft_confidence",
     "hardware_key", "load_or_profile", "load_or_profile_round_costs", "max_other_load", "packed_linear",
     "plan_acceptance", "profile_cached", "profile_cost_model", "profile_round_costs",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .costs import OnlineLeastSquares, default_cache_dir, hardware_key, profile_cached, write_profile
+from .costs import OnlineLeastSquares, QuietWindow, default_cache_dir, hardware_key, profile_cached, write_profile
 
 
 @dataclass
@@ -26,13 +26,15 @@ class CostModel:
     A profiled model (`load_or_profile`) is refined from the engine's own timed steps (`refine`, then
     `observe_verify` / `observe_draft`), since real steps (longer contexts, other load) differ from the profile's dummy
     ones: the profile stays as the prior its fit starts from (`OnlineLeastSquares`), and the refined coefficients are
-    written back to the cache file every `SAVE_EVERY` observed steps (when `path` is set)."""
+    written back to the cache file every `SAVE_EVERY` observed steps (when `path` is set, and only after steps during
+    which other processes left the CPU alone: `QuietWindow` on `device`)."""
 
     verify_coef: tuple[float, float, float]
     draft_coef: tuple[float, ...] = (0.0, 0.0, 0.0)  # (a, b, d); a 2-tuple (no ingestion term) gets d = 0
     samples: list = field(default_factory=list)
     key: str = ""
     path: Path | None = field(default=None, compare=False, repr=False)  # the cache file it came from (not serialised)
+    device: str = field(default="cpu", compare=False, repr=False)  # where its steps run (not serialised)
 
     SAVE_EVERY = 64
     # The refined price of a verified token never falls below this share of the profile's: at one batch size the fit
@@ -78,7 +80,7 @@ class CostModel:
                                               [self.verify(r, t) for r, t in points], **fit)
         self._draft_fit = OnlineLeastSquares([[1.0, r, f] for r, f in drafts], [self.draft(r, f) for r, f in drafts],
                                              **fit)
-        self._observed = 0
+        self._observed, self._window = 0, QuietWindow(self.device)
         slope = _verify_line(self.samples)[2]  # the profile's own slope, not a refined one
         self._token_floor = self.TOKEN_FLOOR * max(self.verify_coef[2] if slope is None else slope, 0.0)
 
@@ -95,7 +97,7 @@ class CostModel:
         a, b, c = self._verify_fit.coef
         self.verify_coef = (a, b, max(c, self._token_floor))
         self._observed += 1
-        if self.path is not None and self._observed % self.SAVE_EVERY == 0:
+        if self.path is not None and self._observed % self.SAVE_EVERY == 0 and self._window.quiet():
             self.save()
 
     def observe_draft(self, rows: int, features: int, seconds: float) -> None:
@@ -180,5 +182,5 @@ def load_or_profile(runner, cache_dir=None, **profile_kwargs) -> CostModel:
         return model
 
     model, cached = profile_cached(path, CostModel.from_dict, measure, runner.device, CostModel.to_dict)
-    model.path = path if cached else None
+    model.path, model.device = (path if cached else None), str(runner.device)
     return model

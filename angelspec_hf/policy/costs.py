@@ -196,6 +196,24 @@ def max_other_load() -> float:
         raise ValueError(f"ANGELSPEC_PROFILE_MAX_OTHER_LOAD must be a number, got {value!r}") from None
 
 
+class QuietWindow:
+    """Whether other processes stayed off the CPU since the window (re)started: `quiet()` closes the window (at most
+    `max_other_load()` cores kept busy by others, or not on the CPU, or no `/proc/stat`) and starts the next. Refined
+    costs are written back to a profile's cache only after a quiet window, for the reason `profile_cached` caches
+    only quiet profiles."""
+
+    def __init__(self, device="cpu"):
+        self.cpu = torch.device(device).type == "cpu"
+        self.cores: float | None = None  # the last closed window's
+        self._load = OtherLoad().__enter__()
+
+    def quiet(self) -> bool:
+        self._load.__exit__(None, None, None)
+        self.cores = self._load.cores
+        self._load = OtherLoad().__enter__()
+        return not self.cpu or self.cores is None or self.cores <= max_other_load()
+
+
 def profile_cached(path: Path, parse, profile, device, to_dict) -> tuple[object, bool]:
     """The profile cached at `path` (`parse`d), else `profile()` measured now and cached (`to_dict`). A CPU profile
     measured while other processes kept more than `max_other_load()` cores busy is used but not cached: its costs are
