@@ -14,7 +14,13 @@ The recipes (both DFly, block 8, ce+kl over the 8,192-token draft vocabulary, cu
 * `fast`: batches grouped by length (`--train_sampling_strategy group_by_length`), 128 anchors per sequence
   (`--num_anchors 128`; padding anchors past every row's count are dropped), the target's training forward on a
   bf16 copy with compiled decoder layers (`--target_states_dtype bfloat16 --compile_target_states true`), the
-  drafter under bf16 autocast (`--bf16 true`).
+  drafter under bf16 autocast (`--bf16 true`);
+* `compiled`: `fast`, and the drafter's training forward and the loss compiled (`--compile_drafter true`);
+* `sparse`: `compiled`, with attention computing only the scores the block mask keeps
+  (`--block_sparse_attention true`; every other recipe runs dense SDPA under the mask);
+* `stored`: `compiled`, with the target's states stored per sequence as training first reads it and read back
+  after (`--feature_mode filling`): with `--repeat-batches` every round reads the warm-up round's batches again, as
+  a second epoch does, so `stored` reads its states from the store while the others compute them.
 
 Each recipe has one trainer; each round runs `--steps` steps of each in turn (`train()` again; its first step, which
 pays one-off set-up, is not timed) on other batches than earlier rounds. Round 0 (warm-up: the target's one-off
@@ -40,10 +46,14 @@ from angelspec_hf.trainer.evaluation import HELD_OUT_SETS, held_out_prompts, mea
 from angelspec_hf.trainer.features import target_states
 from angelspec_hf.trainer.trainer import DrafterTrainer
 
+FAST = dict(num_anchors=128, train_sampling_strategy="group_by_length", target_states_dtype="bfloat16",
+            compile_target_states=True, bf16=True)
 RECIPES = {
     "baseline": dict(num_anchors=64),
-    "fast": dict(num_anchors=128, train_sampling_strategy="group_by_length", target_states_dtype="bfloat16",
-                 compile_target_states=True, bf16=True),
+    "fast": FAST,
+    "compiled": FAST | dict(compile_drafter=True),
+    "sparse": FAST | dict(compile_drafter=True, block_sparse_attention=True),
+    "stored": FAST | dict(compile_drafter=True, feature_mode="filling"),
 }
 SETS = ["gsm8k", "code_alpaca", "gpteacher_codegen"]
 
@@ -99,7 +109,8 @@ def trainer_for(recipe, target, tokenizer, dataset, out, a, max_steps, logging_s
         output_dir=out, drafter_type="dfly", max_steps=max_steps, report_to=[], use_cpu=True,
         per_device_train_batch_size=a.batch, save_strategy="no", logging_steps=logging_steps, loss_kind="ce+kl",
         learning_rate=5e-4, warmup_steps=min(20, max_steps // 5), lr_scheduler_type="cosine", seed=a.seed,
-        dataloader_num_workers=0, **RECIPES[recipe])
+        dataloader_num_workers=0, **RECIPES[recipe],
+        **({"feature_cache_dir": f"{out}/states"} if RECIPES[recipe].get("feature_mode") == "filling" else {}))
     torch.manual_seed(0)
     drafter = angelspec_hf.load_drafter(a.init).float()
     return DrafterTrainer(drafter, args, target, train_dataset=dataset,
@@ -116,6 +127,9 @@ def main():
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--data", default="data/regenerated/smollm2-135m-instruct")
     parser.add_argument("--init", default="drafters/smollm2-135m-instruct-dfly")
+    parser.add_argument("--repeat-batches", action="store_true",
+                        help="every round reads the warm-up round's batches (a second epoch: what 'stored' then reads "
+                             "from its store)")
     parser.add_argument("--loss-blocks", type=int, default=0, help="> 0: then train each recipe for this many blocks")
     parser.add_argument("--eval-prompts", type=int, default=12)
     a = parser.parse_args()
@@ -133,7 +147,8 @@ def main():
             for name, trainer in trainers.items():
                 timer = StepBlocks(trainer)
                 trainer.add_callback(timer)
-                trainer.args.seed = trainer.args.data_seed = a.seed + r  # other batches and anchors each round
+                # other batches and anchors each round, or with --repeat-batches the warm-up's batches again
+                trainer.args.seed = trainer.args.data_seed = a.seed + (0 if a.repeat_batches else r)
                 began = time.perf_counter()
                 trainer.train()
                 trainer.remove_callback(timer)
@@ -150,8 +165,9 @@ def main():
             rate[name] = sum(b for _, b in steps) / sum(t for t, _ in steps)
             print(f"{name:<9} {rate[name]:9.1f}  {statistics.median(t for t, _ in steps):15.2f}  "
                   f"{statistics.mean(b for _, b in steps):11.1f}")
-        if len(rate) == 2:
-            print(f"fast / baseline: {rate['fast'] / rate['baseline']:.2f}x blocks per second")
+        first = a.recipes[0]
+        for name in a.recipes[1:]:
+            print(f"{name} / {first}: {rate[name] / rate[first]:.2f}x blocks per second")
         if a.loss_blocks:
             prompts = held_out_prompts(HELD_OUT_SETS["dfly"], a.eval_prompts, a.data)
             fixed = DrafterCollator(tokenizer.pad_token_id)([dataset[i] for i in range(len(dataset) - 8, len(dataset))])

@@ -26,9 +26,13 @@
 # build first. Measured side by side, interleaved, from the shipped DFly on the same TRAIN data with 2 threads
 # (`python benchmarks/train_throughput.py --threads 2 --rounds 3 --steps 4 --init drafters/smollm2-135m-instruct-dfly`,
 # nothing else running): 144.8 training blocks/s against 75.4 (1.92x), each step as long as before with twice the
-# blocks (docs/training.md). Held-out τ (12 held-out TRAIN
-# prompts, the ones scripts/tau_by_training.py measures) is logged as tau/held_out before the first step and every
-# 250 steps, with the blocks seen so far; `scripts/tau_by_training.py --from-logs <OUT>/dfly` draws and extrapolates it.
+# blocks (docs/training.md). The drafter's training forward and loss compiled (--compile_drafter true), and the
+# target's states stored per sequence as the first epoch reads them and read back in later epochs (--feature_mode
+# filling, in STATES, default <OUT>/target-states, ~12 GB when full): 2.21x the first recipe's blocks/s over the first
+# epoch, 3.43x over later ones (`... --repeat-batches --recipes baseline fast compiled sparse stored`,
+# docs/training.md). Held-out τ (12 held-out TRAIN prompts, the ones scripts/tau_by_training.py measures) is logged
+# as tau/held_out before the first step and every 250 steps, with the blocks seen so far;
+# `scripts/tau_by_training.py --from-logs <OUT>/dfly` draws and extrapolates it.
 # The CPU defaults continue the shipped drafter at a peak learning rate of 5e-5 (LR= overrides it; FAST=0 keeps
 # rounds 1-5's 5e-4): at 5e-4 the first run of this recipe from the shipped DFly fell from held-out τ 2.36 to 2.15 in
 # 250 steps; short runs that changed one factor at a time (docs/training.md) put it on the learning rate alone, not
@@ -36,7 +40,8 @@
 # MAX_SECONDS=N ends a run after N seconds of training with a checkpoint of its last step; rerunning the same command
 # continues from there, on the same learning-rate schedule (set by STEPS).
 # Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [FEATURES=<folder>] [FAST=1] [BF16=1]
-#        [LR=x] [THREADS=1] [MAX_SECONDS=N] [SHIP=1] [DEVICE=auto|cpu|cuda] scripts/train_release.sh [STEPS] [OUT]
+#        [LR=x] [STATES=<folder>] [THREADS=1] [MAX_SECONDS=N] [SHIP=1] [DEVICE=auto|cpu|cuda]
+#        scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-1000}
@@ -48,7 +53,9 @@ DEPTH=(); [ -n "${LAYERS:-}" ] && DEPTH=(--num_drafter_layers "$LAYERS")
 THREADS=${THREADS:-1}
 RECIPE=(--num_anchors 64); PEAK_LR=5e-4
 [ "${FAST:-1}" = 1 ] && RECIPE=(--num_anchors 128 --train_sampling_strategy group_by_length
-                                 --target_states_dtype bfloat16 --compile_target_states true --bf16 true) && PEAK_LR=5e-5
+                                 --target_states_dtype bfloat16 --compile_target_states true --bf16 true
+                                 --compile_drafter true --feature_mode filling
+                                 --feature_cache_dir "${STATES:-$OUT/target-states}") && PEAK_LR=5e-5
 LR=${LR:-$PEAK_LR}
 LIMIT=(); [ -n "${MAX_SECONDS:-}" ] && LIMIT=(--max_train_seconds "$MAX_SECONDS")
 mkdir -p "$OUT"

@@ -1,7 +1,11 @@
 """The CPU training recipe's fast paths on a tiny random target (real tokenizer, real regenerated files): the teacher
 over a pruned vocabulary is the full teacher's columns, a bf16 copy of the target computes the training signal while
 the target itself stays as loaded, dropped padding anchors change no loss, length-grouped batches resume to the step,
-and the blocks count survives a resume."""
+the blocks count survives a resume, the states store fills as training reads it, and a run with the store and the
+compiled drafter trains as the online, eager run does."""
+
+import copy
+import shutil
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.dataset import DrafterCollator, load_regenerated
 from angelspec_hf.trainer.features import target_states
 from angelspec_hf.trainer.losses import token_loss, weighted_cross_entropy, weighted_distillation
+from angelspec_hf.modeling.drafter_utils import additive_mask
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.trainer import DrafterTrainer, SeededLengthGroupedSampler, pack_blocks
 from helpers import tiny_chat_target
@@ -236,3 +241,114 @@ def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
         assert set(dtypes) == {torch.bfloat16}  # the training forward is wrapped again
     finally:
         handle.remove()
+
+
+def test_states_store_fills_as_training_reads_and_reads_back(setup, tmp_path):
+    """`--feature_mode filling`: a sequence's states are computed and written the first time it is read, read back
+    unchanged after (bf16 stays bf16); a batch mixing stored and new sequences gives what the target gives; the
+    store is keyed by target and layers; an unreadable file is computed again; a store it cannot write to leaves
+    training running online."""
+    from angelspec_hf.trainer.features import StatesStore
+
+    target, tokenizer, folder = setup
+    states_target = copy.deepcopy(target).to(torch.bfloat16)
+    dataset = load_regenerated(tokenizer, folder, SETS, max_length=192)
+    collate = DrafterCollator(tokenizer.pad_token_id)
+    layers = make_drafter(target).config.target_layer_ids
+    store = StatesStore(tmp_path / "store", states_target, layers, final=True)
+    first = collate([dataset[i] for i in range(4)])
+    features, final = store.states(states_target, first["input_ids"], first["attention_mask"])
+    online, online_final = target_states(states_target, first["input_ids"], first["attention_mask"], layers, True)
+    assert features.dtype == torch.bfloat16 and (store.written, store.read) == (4, 0)
+    pad = first["attention_mask"].bool()
+    assert torch.equal(features[pad], online[pad]) and torch.equal(final[pad], online_final[pad])
+    assert not features[~pad].any()
+    again = store.states(states_target, first["input_ids"], first["attention_mask"])
+    assert (store.written, store.read) == (4, 4)
+    assert torch.equal(again[0], features) and torch.equal(again[1], final)
+    mixed = collate([dataset[i] for i in (2, 7, 0, 9)])
+    features, final = store.states(states_target, mixed["input_ids"], mixed["attention_mask"])
+    assert (store.written, store.read) == (6, 6)
+    online, _ = target_states(states_target, mixed["input_ids"], mixed["attention_mask"], layers, True)
+    pad = mixed["attention_mask"].bool()
+    torch.testing.assert_close(features[pad].float(), online[pad].float(), rtol=0.02, atol=0.02)
+    assert len(list(store.folder.glob("*.safetensors"))) == 6
+    other = StatesStore(tmp_path / "store", states_target, [0, *layers], final=True)
+    assert other.folder != store.folder and StatesStore(tmp_path / "store", states_target, layers, True).folder == \
+        store.folder
+    row = mixed["input_ids"][1, : int(mixed["attention_mask"][1].sum())].tolist()
+    store.path(row).write_bytes(b"not a safetensors file")
+    assert torch.equal(store.states(states_target, mixed["input_ids"], mixed["attention_mask"])[0], features)
+    assert store.written == 7
+    blocked = StatesStore(tmp_path / "blocked", states_target, layers, final=True)
+    shutil.rmtree(blocked.folder)
+    blocked.folder.write_text("a file where the store's folder was: every write fails")
+    features, _ = blocked.states(states_target, first["input_ids"], first["attention_mask"])
+    assert blocked.written == 0 and torch.equal(features, again[0])
+    features, _ = blocked.states(states_target, first["input_ids"], first["attention_mask"])
+    assert blocked.written == 0 and blocked.read == 0 and torch.equal(features, again[0])
+
+
+def test_filling_store_and_compiled_drafter_train_as_the_online_eager_run(setup, tmp_path):
+    """Two epochs over the data with `--feature_mode filling --compile_drafter true`: the second epoch reads every
+    sequence from the store, and every step's logged loss is the online, eager run's."""
+    target = setup[0]
+    common = dict(max_steps=8, target_states_dtype="bfloat16", num_anchors=16, per_device_train_batch_size=8,
+                  train_sampling_strategy="group_by_length")
+    plain = Logs()
+    make_trainer(setup, make_args(tmp_path / "a", setup[2], **common), make_drafter(target), [plain]).train()
+    fast = Logs()
+    args = make_args(tmp_path / "b", setup[2], feature_mode="filling", feature_cache_dir=str(tmp_path / "store"),
+                     compile_drafter=True, **common)
+    trainer = make_trainer(setup, args, make_drafter(target), [fast])
+    trainer.train()
+    sequences = len(trainer.train_dataset)
+    assert trainer.state.epoch >= 2 and trainer._states_store.written == sequences
+    assert trainer._states_store.read >= sequences  # the second epoch read them all back
+    assert trainer._compiled is not None
+    for step in range(1, 9):
+        assert fast.rows[step]["loss"] == pytest.approx(plain.rows[step]["loss"], rel=2e-3)
+
+
+def test_block_sparse_training_attention_is_dense_attention_under_the_block_mask(setup, tmp_path):
+    """A training step's attention computes each block's context scores and its own block's, not every packed block
+    against every other: the loss and every gradient are dense SDPA's under the full mask, to rounding (fp32), with
+    grouped-query heads and padded sequences; evaluation and inference keep the drafter's own attention."""
+    from angelspec_hf.trainer.block_attention import block_attention
+
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim, anchors, block, context = 2, 6, 2, 8, 5, 4, 11
+    query = torch.randn(n, heads, anchors * block, dim)
+    key, value = torch.randn(2, n, kv_heads, context + anchors * block, dim)
+    sees = torch.rand(n, anchors, context) < 0.6
+    sees[..., 0] = True
+    keep_context = sees.repeat_interleave(block, dim=1)  # [N, A·B, T]
+    of = torch.arange(anchors).repeat_interleave(block)
+    keep = torch.cat([keep_context, (of[:, None] == of[None, :]).expand(n, -1, -1)], dim=2)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=additive_mask(keep, torch.float32)[:, None], enable_gqa=True)
+    module = type("Attention", (), {"config": type("Config", (), {"block_size": block})()})()
+    sparse, _ = block_attention(module, query, key, value, additive_mask(keep_context, torch.float32)[:, None])
+    torch.testing.assert_close(sparse.transpose(1, 2), dense, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="context mask"):
+        block_attention(module, query, key, value, additive_mask(keep, torch.float32)[:, None])
+
+    target, tokenizer, folder = setup
+    batch = DrafterCollator(tokenizer.pad_token_id)([make_trainer(setup, make_args(tmp_path, folder),
+                                                                  make_drafter(target)).train_dataset[i]
+                                                     for i in range(4)])
+    results = {}
+    for sparse_attention in (True, False):
+        args = make_args(tmp_path / str(sparse_attention), folder, block_sparse_attention=sparse_attention,
+                         num_anchors=12)
+        trainer = make_trainer(setup, args, make_drafter(target))
+        trainer.model.train()
+        loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=100)
+        loss.backward()
+        results[sparse_attention] = (loss.item(), {k: p.grad.clone() for k, p in trainer.model.named_parameters()
+                                                   if p.grad is not None})
+        assert trainer._drafter.config._attn_implementation == "sdpa"  # restored after the step
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+    assert results[True][1].keys() == results[False][1].keys() and len(results[True][1]) > 10
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-4, atol=1e-6)

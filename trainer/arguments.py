@@ -50,10 +50,13 @@ class DrafterTrainingArguments(TrainingArguments):
                                                                         "init_drafter (DFlash, DFly): grow that drafter to this many layers, the new ones "
                                                                         "starting as identities."})
     feature_mode: str = field(
-        default="online", metadata={"help": "'online': target features computed per batch (no disk); 'cached': "
-                                            "computed once, stored as fp16 Arrow and memory-mapped."}
+        default="online", metadata={"help": "'online': target features computed per batch (no disk); 'filling': "
+                                            "computed online the first time a sequence is read and stored in "
+                                            "feature_cache_dir, read from there after (no pass before training; "
+                                            "the next epochs skip the target); 'cached': computed in one pass "
+                                            "before training, stored as fp16 Arrow and memory-mapped."}
     )
-    feature_cache_dir: str | None = field(default=None, metadata={"help": "Where 'cached' features go."})
+    feature_cache_dir: str | None = field(default=None, metadata={"help": "Where 'filling' or 'cached' features go."})
     dataset_seed: int | None = field(
         default=None, metadata={"help": "Shuffles the regenerated files before max_train_samples cuts them and numbers "
                                         "the examples (default: seed). Cached features belong to one such order: "
@@ -85,6 +88,19 @@ class DrafterTrainingArguments(TrainingArguments):
                                          "training states (dynamic shapes; a one-off compile of about a minute on "
                                          "CPU, then its norms, rotary and activations run fused). The target that "
                                          "the τ eval and verification use is never compiled."}
+    )
+    block_sparse_attention: bool = field(
+        default=False, metadata={"help": "DFlash/DFly training steps: attention computes only the scores the block "
+                                         "mask keeps (each block's context and its own rows, `trainer/block_attention"
+                                         ".py`) instead of dense SDPA over every packed block; the same result to "
+                                         "rounding. On CPU it pays in eager runs (a drafter step 15% faster) and "
+                                         "not under --compile_drafter, so the CPU defaults leave it off."}
+    )
+    compile_drafter: bool = field(
+        default=False, metadata={"help": "torch.compile the drafter's training forward (dynamic shapes; DFlash and "
+                                         "DFly: the LM head with the loss too): a one-off compile at the start of "
+                                         "each run, then their element-wise work runs fused. Training steps only: "
+                                         "the τ eval and inference run the drafter as written."}
     )
     eval_prompts_from: str = field(
         default="eval", metadata={"help": "Acceptance eval prompts: 'eval' (the drafter's EVAL sets) or 'held_out' "
@@ -120,10 +136,10 @@ class DrafterTrainingArguments(TrainingArguments):
             raise ValueError(f"loss_kind must be one of {LOSS_KINDS}, got {self.loss_kind!r}")
         if self.train_vocab not in ("draft", "full"):
             raise ValueError(f"train_vocab must be 'draft' or 'full', got {self.train_vocab!r}")
-        if self.feature_mode not in ("online", "cached"):
-            raise ValueError(f"feature_mode must be 'online' or 'cached', got {self.feature_mode!r}")
-        if self.feature_mode == "cached" and not self.feature_cache_dir:
-            raise ValueError("feature_mode='cached' needs feature_cache_dir")
+        if self.feature_mode not in ("online", "filling", "cached"):
+            raise ValueError(f"feature_mode must be 'online', 'filling' or 'cached', got {self.feature_mode!r}")
+        if self.feature_mode in ("filling", "cached") and not self.feature_cache_dir:
+            raise ValueError(f"feature_mode={self.feature_mode!r} needs feature_cache_dir")
         if self.target_states_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("target_states_dtype must be float32, bfloat16 or float16, got "
                              f"{self.target_states_dtype!r}")

@@ -1,5 +1,6 @@
-"""Target features for training: computed online from the frozen target (default, no disk), or cached once as fp16
-in a `datasets` Arrow table (memory-mapped; half the bytes of fp32 per token)."""
+"""Target features for training: computed online from the frozen target (default, no disk), stored per sequence as
+training first reads it (`StatesStore`: later epochs read them from disk), or cached once before training as fp16 in
+a `datasets` Arrow table (memory-mapped; half the bytes of fp32 per token)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,107 @@ def target_states(target, input_ids, attention_mask, layer_ids, final: bool = Fa
     )
     features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
     return features, (out.last_hidden_state if final else None)
+
+
+class StatesStore:
+    """Target states per training sequence on disk, filled as training reads them (`--feature_mode filling`).
+
+    The first time a sequence is read, its states are computed online (by `target_states`, on the states target's
+    device and in its dtype) and written to `folder` as one safetensors file named by a hash of its token ids; every
+    later read of that sequence (the next epochs) loads the file instead of running the target. Nothing is computed
+    before training starts, the states are stored exactly as computed (bf16 stays bf16), and the store is keyed by the
+    target (name, dtype, a fingerprint of its weights), the layers and whether final states are kept: another key is
+    another subfolder, so a store is never read for a target or layers it was not written by. Files appear whole (written
+    under a temporary name, then renamed), so a killed run leaves no partial file; a write that fails (a full disk) is
+    reported once and training continues online. Batches must be right-padded (`DrafterCollator`)."""
+
+    def __init__(self, folder, target, layer_ids, final: bool = False):
+        import hashlib
+        import json
+        from pathlib import Path
+
+        weights = target.get_input_embeddings().weight.detach()
+        key = {"target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+               "dtype": str(weights.dtype).removeprefix("torch."), "layer_ids": [int(i) for i in layer_ids],
+               "final": bool(final), "vocab": int(weights.shape[0]),
+               "embedding_checksum": round(float(weights[:64].double().abs().sum()), 6)}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.folder = Path(folder) / f"states-{digest}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        stamp = self.folder / "key.json"
+        if not stamp.is_file():
+            stamp.write_text(json.dumps(key, indent=1))
+        self.layer_ids, self.final = list(layer_ids), bool(final)
+        self.read = self.written = 0
+        self._write_failed = False
+
+    def path(self, ids: list[int]):
+        """The file of the sequence `ids` (its unpadded token ids)."""
+        import hashlib
+
+        import numpy as np
+
+        return self.folder / f"{hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()}.safetensors"
+
+    @torch.no_grad()
+    def states(self, target, input_ids, attention_mask):
+        """`target_states(target, input_ids, attention_mask, layer_ids, final)`, each row read from the store when it
+        holds it and computed (and stored) when not. Padding positions are zeros."""
+        from safetensors.torch import load_file
+
+        lengths = attention_mask.sum(1).tolist()
+        paths = [self.path(input_ids[i, :n].tolist()) for i, n in enumerate(lengths)]
+        rows = {}
+        for i, path in enumerate(paths):
+            if path.is_file():
+                try:
+                    rows[i] = load_file(path)
+                except Exception:  # unreadable (not written by a whole save): computed again, then replaced
+                    continue
+        self.read += len(rows)
+        missing = [i for i in range(len(paths)) if i not in rows]
+        if missing:
+            width = max(lengths[i] for i in missing)
+            index = torch.tensor(missing, device=input_ids.device)
+            features, final = target_states(target, input_ids[index, :width], attention_mask[index, :width],
+                                            self.layer_ids, self.final)
+            for j, i in enumerate(missing):
+                rows[i] = {"features": features[j, :lengths[i]]} | (
+                    {"final": final[j, :lengths[i]]} if self.final else {})
+                self._write(paths[i], rows[i])
+        device, width = input_ids.device, input_ids.shape[1]
+
+        def padded(name):
+            first = rows[0][name]
+            out = torch.zeros(len(paths), width, first.shape[-1], dtype=first.dtype, device=device)
+            for i, n in enumerate(lengths):
+                out[i, :n] = rows[i][name].to(device)
+            return out
+
+        return padded("features"), (padded("final") if self.final else None)
+
+    def _write(self, path, tensors):
+        import os
+        import sys
+
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+
+        if self._write_failed:
+            return
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, str(temporary))
+            os.replace(temporary, path)
+            self.written += 1
+        except (OSError, SafetensorError) as error:
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._write_failed = True
+            print(f"target states store: cannot write to {self.folder} ({error}); training continues with states "
+                  "computed online", file=sys.stderr, flush=True)
 
 
 def target_features(target, input_ids, attention_mask, layer_ids) -> torch.Tensor:

@@ -4,6 +4,7 @@ losses of `trainer/losses.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -15,7 +16,8 @@ from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_group
 
 from angelspec_hf.modeling.drafter_utils import additive_mask
 
-from .features import target_states
+from .block_attention import block_training_attention
+from .features import StatesStore, target_states
 from .losses import block_diffusion_loss, mtp_unrolled_loss, sample_anchors
 from .model_card import write_model_card
 
@@ -63,6 +65,13 @@ class BlocksSeen(TrainerCallback, ExportableState):
         saved = state.stateful_callbacks.get(type(self).__name__)
         if saved and state.global_step > 0:
             self.count = saved["attributes"]["count"]
+
+
+def _block_head_loss(lm_head, rows, labels, row_number, gamma, num_items, teacher, kind):
+    """The LM head on the supervised block rows `[M, H]`, then `block_diffusion_loss` (one function, so that
+    `--compile_drafter` fuses the head's output with the loss's softmaxes)."""
+    logits = lm_head(rows.to(lm_head.weight.dtype))
+    return block_diffusion_loss(logits, labels, row_number, gamma, num_items, teacher, kind)
 
 
 class _RowsHead(nn.Module):
@@ -147,6 +156,14 @@ class DrafterTrainer(Trainer):
                                  "to compile; train without it")
             for layer in layers:
                 layer.compile(dynamic=True)
+        self._states_store = None
+        if self.args.feature_mode == "filling":
+            self._states_store = StatesStore(self.args.feature_cache_dir, self.states_target,
+                                             self._drafter.config.target_layer_ids, final="kl" in self.args.loss_kind)
+        self._compiled = None  # (model, its compiled call) with --compile_drafter
+        self._block_head_loss = _block_head_loss
+        if self.args.compile_drafter:
+            self._block_head_loss = torch.compile(_block_head_loss, dynamic=True)
         self.blocks_seen = BlocksSeen()
         self.add_callback(self.blocks_seen)
         self._last_log = None  # (time, blocks) at the previous log
@@ -161,15 +178,28 @@ class DrafterTrainer(Trainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """Adds `blocks` (training blocks seen, all processes) and, to the loss logs, `blocks_per_second` since the
-        previous one."""
+        previous one (and with `--feature_mode filling`, this process's sequences read from and written to the
+        store so far)."""
         blocks = self.blocks_seen.count * self.accelerator.num_processes
         logs = dict(logs) | {"blocks": blocks}
         now = time.monotonic()
+        if "loss" in logs and self._states_store is not None:  # --feature_mode filling: how full the store is
+            logs |= {"states_read": self._states_store.read, "states_written": self._states_store.written}
         if "loss" in logs:
             if self._last_log is not None and now > self._last_log[0] and blocks >= self._last_log[1]:
                 logs["blocks_per_second"] = round((blocks - self._last_log[1]) / (now - self._last_log[0]), 2)
             self._last_log = (now, blocks)
         super().log(logs, start_time)
+
+    def _training_call(self, model):
+        """What a step calls to run the drafter: `model`, or with `--compile_drafter` and in training, `model` compiled
+        once (dynamic shapes; accelerate's mixed-precision wrapper is traced with it). The module, its parameters and
+        what `save_model` writes are unchanged; evaluation and the τ eval call the drafter as written."""
+        if not (self.args.compile_drafter and model.training):
+            return model
+        if self._compiled is None or self._compiled[0] is not model:
+            self._compiled = (model, torch.compile(model, dynamic=True))
+        return self._compiled[1]
 
     def training_head(self):
         """`(head, vocab_index)`: the LM head the loss uses and a map full id → its column (None: all ids). With
@@ -224,9 +254,13 @@ class DrafterTrainer(Trainer):
         features, final = inputs.get("features"), inputs.get("final")
         if features is None:  # the frozen target in target_states_dtype (default its own), even under --bf16
             with torch.autocast(inputs["input_ids"].device.type, enabled=False):
-                features, final = target_states(self.states_target, inputs["input_ids"], inputs["attention_mask"],
-                                                self._drafter.config.target_layer_ids,
-                                                final="kl" in self.args.loss_kind)
+                if self._states_store is not None:  # --feature_mode filling
+                    features, final = self._states_store.states(self.states_target, inputs["input_ids"],
+                                                                inputs["attention_mask"])
+                else:
+                    features, final = target_states(self.states_target, inputs["input_ids"],
+                                                    inputs["attention_mask"], self._drafter.config.target_layer_ids,
+                                                    final="kl" in self.args.loss_kind)
         features = features.to(self._drafter.dtype)
         if self.args.drafter_type == "mtp":
             loss = self._mtp_loss(model, inputs, features, final, num_items_in_batch)
@@ -247,22 +281,25 @@ class DrafterTrainer(Trainer):
         if model.training:
             self.blocks_seen.count += int(valid.any(-1).sum())
         dtype = self._drafter.dtype
-        mask = additive_mask(keep, dtype)
-        hidden = model(
-            noise_embeds=embed(block_ids).to(dtype), context_hidden_states=features, position_ids=position_ids,
-            attention_mask=mask[:, None], previous_ids=previous,
-        ).last_hidden_state
+        sparse = self.args.block_sparse_attention and model.training
+        context = features.shape[1]
+        # block-sparse attention takes the context part of the mask (each block sees its own rows, no other block's)
+        mask = additive_mask(keep[..., :context] if sparse else keep, dtype)
+        with block_training_attention(self._drafter) if sparse else contextlib.nullcontext():
+            hidden = self._training_call(model)(
+                noise_embeds=embed(block_ids).to(dtype), context_hidden_states=features, position_ids=position_ids,
+                attention_mask=mask[:, None], previous_ids=previous,
+            ).last_hidden_state
         n, anchors = labels.shape[:2]
         rows = hidden.view(n, anchors, block, -1)[:, :, 1:]  # [N, A, B-1, H]
         row_number = torch.arange(1, block, device=rows.device).expand_as(valid)
-        # the LM head runs only on rows that carry a loss: [M, V] rather than [N, A, B-1, V]
-        logits = lm_head(rows[valid].to(lm_head.weight.dtype))
         label_pos = position_ids[:, inputs["input_ids"].shape[1]:].view(n, anchors, block)[:, :, 1:]
         sequence = torch.arange(n, device=label_pos.device)[:, None, None].expand_as(label_pos)
         teacher_rows = torch.stack([sequence[valid], label_pos[valid] - 1], dim=-1)  # the target predicts p from p-1
         hard, teacher = self._labels_and_teacher(labels[valid], final, teacher_rows)
-        return block_diffusion_loss(logits, hard, row_number[valid], self.args.loss_decay_gamma, num_items, teacher,
-                                    self.args.loss_kind)
+        # the LM head runs only on rows that carry a loss: [M, V] rather than [N, A, B-1, V]
+        return self._block_head_loss(lm_head, rows[valid], hard, row_number[valid], self.args.loss_decay_gamma,
+                                     num_items, teacher, self.args.loss_kind)
 
     def _mtp_loss(self, model, inputs, features, final, num_items):
         embed, (lm_head, _) = self.target.get_input_embeddings(), self.training_head()
@@ -271,7 +308,7 @@ class DrafterTrainer(Trainer):
         index = torch.arange(length, device=ids.device)
         # step j (0-based) at index t reads x_{t+1+j} and predicts x_{t+2+j}
         step_tokens = torch.stack([_gather_rows(ids, (index + 1 + j).expand(ids.shape[0], -1)) for j in range(steps)], 1)
-        hidden = model(context_hidden_states=features[:, :length], inputs_embeds=embed(step_tokens).to(features.dtype)
+        hidden = self._training_call(model)(context_hidden_states=features[:, :length], inputs_embeds=embed(step_tokens).to(features.dtype)
                        ).last_hidden_state  # [N, S, L, H]
         target_pos = index[None, None, :] + 2 + torch.arange(steps, device=ids.device)[None, :, None]  # [1, S, L]
         target_pos = target_pos.expand(ids.shape[0], -1, -1)

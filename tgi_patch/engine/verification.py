@@ -4,12 +4,13 @@
   draw from the drafter's distribution processed with the request's temperature / top-k / top-p (its q): the
   Gumbel-max draw with the request's own noise when it is seeded, an inverse-CDF draw from its random stream when
   not (`sampling.py`); D-Cut's confidence comes with it.
-* Verification (`verify_drafts`; `verify_forward` picks `verify_greedy` for plain greedy batches): the target's
-  logits at every verified position, penalised position by position, processed like the drafter's for sampled
-  requests, decide in one call for the ragged batch (`kernels.verify`: greedy acceptance, or exact rejection sampling;
-  the spec is `kernels/reference.py`) how many drafts each request keeps and the token after them; a seeded request
-  takes the greedy rule on its Gumbel-max scores (`sampling.gumbel_scores`), whose argmax is its token. With the
-  log-probability of every emitted token and, where asked for, the most likely tokens at each position.
+* Verification (`verify_drafts`; `verify_forward` picks `verify_greedy`, one kernel launch on CUDA, for plain
+  greedy batches): the target's logits at every verified position, penalised position by position, processed like
+  the drafter's for sampled requests, decide in one call for the ragged batch (`kernels.verify`: greedy acceptance,
+  or exact rejection sampling; the spec is `kernels/reference.py`) how many drafts each request keeps and the token
+  after them; a seeded request takes the greedy rule on its Gumbel-max scores (`sampling.gumbel_scores`), whose
+  argmax is its token. With the log-probability of every emitted token and, where asked for, the most likely tokens
+  at each position.
 
 The distributions and random numbers themselves are `sampling.py`'s."""
 
@@ -173,33 +174,12 @@ def verify_forward(forward, draft, draft_probs, depth, requests, process=process
 def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None = None) -> Verified:
     """Greedy verification of `depth [B]` draft tokens `draft [B, K]` against `logits [P, V]` at their rows
     `positions [B, span]` (as `verify_drafts` with `raw = logits[positions]` and every request greedy, the same
-    tokens), reading the B + verified rows it needs instead of B x span (one request verifying a long lookup beside
-    many that verify none would otherwise copy and normalise a padded block for every row).
-    `depth_host`: `depth` as a host list (else read), which says which rows those are."""
-    rows, span = positions.shape
-    dev = logits.device
-    if depth_host is None:
-        depth_host = depth.tolist()
-    ar = torch.arange(span, device=dev)[None, :]
-    # the tested positions (row, column) of every row, from the host's depths: one copy, no mask to count
-    tested = upload([[r for r, d in enumerate(depth_host) for _ in range(d + 1)],
-                     [j for d in depth_host for j in range(d + 1)]], dev)
-    tested_logits = logits[positions[tested[0], tested[1]]].float()  # [tested, V]
-    top = torch.zeros(rows, span, dtype=torch.long, device=dev)
-    top[tested[0], tested[1]] = tested_logits.argmax(-1)
-    top = top.gather(1, torch.minimum(ar, depth[:, None]).expand(rows, span))  # padding repeats the last
-    draft_v = draft[:, : span - 1]
-    match = (draft_v == top[:, : span - 1]) & (ar[:, : span - 1] < depth[:, None])
-    num_accepted = torch.cumprod(match.long(), dim=1).sum(1)
-    next_token = top.gather(1, num_accepted[:, None]).squeeze(1)
-    emitted = torch.cat([draft_v, draft_v.new_zeros(rows, 1)], 1)
-    emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
-    # log-probabilities of the emitted tokens: at every tested position (the kept ones are among them), the rest 0
-    log_probs = torch.log_softmax(tested_logits, -1)
-    logprobs = torch.zeros(rows, span, device=dev)
-    logprobs[tested[0], tested[1]] = log_probs.gather(-1, emitted[tested[0], tested[1]][:, None]).squeeze(-1)
-    logprobs = torch.where(ar <= num_accepted[:, None], logprobs, 0.0)
-    return Verified(num_accepted, next_token, emitted, logprobs, None)
+    tokens), reading only the B + verified rows it needs instead of B x span (one request verifying a long lookup
+    beside many that verify none would otherwise copy and normalise a padded block for every row). It runs
+    `kernels.verify_greedy`: one Triton launch on CUDA, which reads nothing back to the host, its torch reference
+    elsewhere. `depth_host`: `depth` as a host list (else read, by the reference only), which says which rows the
+    reference reads."""
+    return Verified(*kernels.verify_greedy(logits, positions, draft, depth, depth_host), None)
 
 
 def top_candidates(log_probs, requests) -> tuple | None:

@@ -1,6 +1,7 @@
-"""The engine's two hot steps, D-Cut selection and verification: Triton kernels on CUDA (`triton_kernels.py`), the
-torch reference (`reference.py`) everywhere else, side by side in this folder. Same signatures, same outputs; this
-module only dispatches (and never imports triton until a kernel is wanted)."""
+"""The engine's hot steps, D-Cut selection and verification (of a ragged batch, and of a greedy batch straight from the
+packed logits): Triton kernels on CUDA (`triton_kernels.py`), the torch reference (`reference.py`) everywhere else,
+side by side in this folder. Same signatures, same outputs; this module only dispatches (and never imports triton
+until a kernel is wanted)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,14 @@ def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
     else:
         impl = reference.verify
     return impl(scores, draft, draft_probs, depth, greedy, u_accept, u_sample)
+
+
+def verify_greedy(logits, positions, draft, depth, depth_host=None):
+    if draft.shape[1] < positions.shape[1] - 1:
+        raise ValueError(f"greedy verification of {positions.shape[1]} positions per row needs at least "
+                         f"{positions.shape[1] - 1} draft tokens per row, got draft of shape {tuple(draft.shape)}")
+    if _use_triton(logits):
+        from .triton_kernels import verify_greedy as impl
+    else:
+        impl = reference.verify_greedy
+    return impl(logits, positions, draft, depth, depth_host)

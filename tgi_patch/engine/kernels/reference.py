@@ -1,12 +1,14 @@
-"""Torch reference implementations of the two hot steps of a batched speculative step. The Triton versions are in
-`triton_kernels.py`, with the same signatures and outputs; the dispatch in `kernels/__init__.py` runs them on CUDA
-and these everywhere else. These define the results the kernels are tested against."""
+"""Torch reference implementations of the hot steps of a batched speculative step: D-Cut selection, verification of
+a ragged batch (greedy or rejection sampling) and greedy verification straight from the packed logits. The Triton
+versions are in `triton_kernels.py`, with the same signatures and outputs; the dispatch in `kernels/__init__.py` runs
+them on CUDA and these everywhere else. These define the results the kernels are tested against."""
 
 from __future__ import annotations
 
 import torch
 
 from ..sampling import sample_from
+from ..transfer import upload
 
 
 def dcut_select(accept_prob, num_drafted, budget: int, step_cost=None, base_gain: float = 0.0):
@@ -81,3 +83,43 @@ def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
     next_token = torch.where(greedy, next_token, sampled)
     return num_accepted, next_token
 
+
+
+def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None = None):
+    """Greedy verification of each row's first `depth [B]` draft tokens `draft [B, K]` (int64) against the packed
+    target logits `logits [P, V]` (any float dtype, read as float32), row b's verified positions at `positions [B,
+    span]` (column j: the token after draft j - 1; `span <= K + 1`; columns past the row's depth are not read).
+
+    A row accepts drafts while each equals the argmax (the first maximum, as `torch.argmax`) of the logits at its
+    position and it is within the row's depth; the next token is the argmax at the position after the accepted ones.
+    Only the B + sum(depth) tested positions are read. `depth_host`: `depth` as a host list (else read here), which
+    says which rows those are (the kernel needs no host copy).
+
+    Returns `num_accepted [B]`, `next_token [B]`, `emitted [B, span]` (int64: the accepted drafts, the next token at
+    column `num_accepted`, then the rest of `draft` and 0 in the last column) and `logprobs [B, span]` (float32: the
+    log-softmax of the emitted token at columns up to `num_accepted`, 0.0 after).
+    """
+    rows, span = positions.shape
+    dev = logits.device
+    if depth_host is None:
+        depth_host = depth.tolist()
+    ar = torch.arange(span, device=dev)[None, :]
+    # the tested positions (row, column) of every row, from the host's depths: one copy, no mask to count
+    tested = upload([[r for r, d in enumerate(depth_host) for _ in range(d + 1)],
+                     [j for d in depth_host for j in range(d + 1)]], dev)
+    tested_logits = logits[positions[tested[0], tested[1]]].float()  # [tested, V]
+    top = torch.zeros(rows, span, dtype=torch.long, device=dev)
+    top[tested[0], tested[1]] = tested_logits.argmax(-1)
+    top = top.gather(1, torch.minimum(ar, depth[:, None]).expand(rows, span))  # padding repeats the last
+    draft_v = draft[:, : span - 1]
+    match = (draft_v == top[:, : span - 1]) & (ar[:, : span - 1] < depth[:, None])
+    num_accepted = torch.cumprod(match.long(), dim=1).sum(1)
+    next_token = top.gather(1, num_accepted[:, None]).squeeze(1)
+    emitted = torch.cat([draft_v, draft_v.new_zeros(rows, 1)], 1)
+    emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
+    # log-probabilities of the emitted tokens: at every tested position (the kept ones are among them), the rest 0
+    log_probs = torch.log_softmax(tested_logits, -1)
+    logprobs = torch.zeros(rows, span, dtype=torch.float32, device=dev)
+    logprobs[tested[0], tested[1]] = log_probs.gather(-1, emitted[tested[0], tested[1]][:, None]).squeeze(-1)
+    logprobs = torch.where(ar <= num_accepted[:, None], logprobs, 0.0)
+    return num_accepted, next_token, emitted, logprobs

@@ -1,5 +1,5 @@
-"""Triton kernels for the engine's two hot steps; `reference.py` holds the torch versions (same signatures and
-outputs) that run on CPU and define what these compute. Dispatch is in `kernels/__init__.py`.
+"""Triton kernels for the engine's hot steps; `reference.py` holds the torch versions (same signatures and outputs)
+that run on CPU and define what these compute. Dispatch is in `kernels/__init__.py`.
 
 * `dcut_select`: one program for the whole ragged batch — survival products along each block, a global sort of
   (survival, position) keys, expected-gain prefix sums, the budget that maximises gain per unit of predicted cost, and
@@ -7,12 +7,16 @@ outputs) that run on CPU and define what these compute. Dispatch is in `kernels/
 * `verify`: one program per request — greedy acceptance against the argmax of its scores (a greedy request's logits,
   a seeded sampled request's Gumbel-max scores), or exact rejection sampling, then the correction / bonus token by
   inverse-CDF sampling over the vocabulary in blocks.
+* `verify_greedy`: one program per request, straight from the packed logits — it walks the request's verified
+  positions, each in one pass over the vocabulary in blocks (argmax, running maximum and sum of exponentials), until
+  the first draft that differs from the argmax, and writes the accepted count, the next token, the emitted tokens and
+  their log-probabilities: a greedy batch's whole verification in one launch.
 
 Shapes that change from step to step are runtime arguments or rounded up to a power of two, so each kernel compiles
 once per bucket rather than once per step shape: the draft width `K` is a runtime stride (`dcut_select` unrolls over
 `K_PAD`, its next power of two, masking the rest), the batch and the `batch × K` keys are padded to powers of two,
-and `verify` compiles once per (has draft probabilities, vocabulary block).
-"""
+`verify` compiles once per (has draft probabilities, vocabulary block) and `verify_greedy` once per vocabulary block
+(its step-dependent sizes are exempt from Triton's specialisation on their values)."""
 
 from __future__ import annotations
 
@@ -193,3 +197,77 @@ def verify(scores, draft, draft_probs, depth, greedy, u_accept, u_sample):
         k, HAS_Q=has_q, BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
     )
     return num_accepted, next_token
+
+
+@triton.jit
+def _row_top(row_ptr, V, BLOCK_V: tl.constexpr):
+    """The argmax of one row of V logits and the log-softmax there, as `torch.argmax` and `torch.log_softmax` give them,
+    in one pass over the row in blocks: a running maximum and the sum of exp(x - maximum), rescaled whenever the
+    maximum grows. The argmax is the first maximum, and the first NaN where there is one (torch orders NaN above
+    every number); a NaN or +inf in the row makes the log-probability NaN, as in torch."""
+    best = -float("inf")
+    best_i = 0
+    first_nan = V
+    total = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        nan = x != x
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(nan, offs, V), axis=0))
+        m, i = tl.max(tl.where(nan, -float("inf"), x), axis=0, return_indices=True)  # the block's first maximum
+        new = tl.maximum(best, m)
+        shift = tl.where(new == -float("inf"), 0.0, new)  # no -inf - -inf while every value so far is -inf
+        total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        take = m > best  # strict: an earlier block's equal maximum wins
+        best_i = tl.where(take, start + i, best_i)
+        best = new
+    best_i = tl.where(first_nan < V, first_nan, best_i)
+    return best_i, -tl.log(total)  # log-softmax at the argmax: x - max - log(total) with x == max
+
+
+@triton.jit(do_not_specialize=["span", "stride_pos", "stride_draft"])
+def _verify_greedy_kernel(logits_ptr, pos_ptr, draft_ptr, depth_ptr, n_acc_ptr, next_ptr, emitted_ptr, logprob_ptr,
+                          V, stride_logits, span, stride_pos, stride_draft, BLOCK_V: tl.constexpr,
+                          BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    depth = tl.load(depth_ptr + b)
+    n_acc = 0
+    token = 0
+    going = 1
+    while going == 1:  # position n_acc: the token after the accepted drafts
+        row = tl.load(pos_ptr + b * stride_pos + n_acc).to(tl.int64)
+        token, logprob = _row_top(logits_ptr + row * stride_logits, V, BLOCK_V)
+        tl.store(logprob_ptr + b * span + n_acc, logprob)  # the emitted token there is the argmax
+        tested = n_acc < depth
+        d = tl.load(draft_ptr + b * stride_draft + n_acc, mask=tested, other=-1)
+        going = (tested & (d == token)).to(tl.int32)
+        n_acc += going
+    tl.store(n_acc_ptr + b, n_acc.to(tl.int64))
+    tl.store(next_ptr + b, token.to(tl.int64))
+    # emitted: the accepted drafts, the next token, then the rest of the drafts (0 in the last column); log-probs
+    # past the next token: 0
+    for start in range(0, span, BLOCK_S):
+        cols = start + tl.arange(0, BLOCK_S)
+        rest = tl.load(draft_ptr + b * stride_draft + cols, mask=cols < span - 1, other=0)
+        tl.store(emitted_ptr + b * span + cols, tl.where(cols == n_acc, token, rest), mask=cols < span)
+        tl.store(logprob_ptr + b * span + cols, tl.zeros([BLOCK_S], tl.float32), mask=(cols > n_acc) & (cols < span))
+
+
+def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None = None):
+    rows, span = positions.shape
+    dev = logits.device
+    num_accepted = torch.empty(rows, dtype=torch.int64, device=dev)
+    next_token = torch.empty(rows, dtype=torch.int64, device=dev)
+    emitted = torch.empty(rows, span, dtype=draft.dtype, device=dev)
+    logprobs = torch.empty(rows, span, dtype=torch.float32, device=dev)
+    if rows == 0:
+        return num_accepted, next_token, emitted, logprobs
+    logits, positions, draft = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, positions, draft))
+    drafts = draft if draft.numel() else positions  # (no draft is read when there is none)
+    vocab = logits.shape[-1]
+    _verify_greedy_kernel[(rows,)](
+        logits, positions, drafts, depth.contiguous(), num_accepted, next_token, emitted, logprobs, vocab,
+        logits.stride(0), span, positions.stride(0), drafts.stride(0),
+        BLOCK_V=min(1024, triton.next_power_of_2(vocab)), BLOCK_S=16,
+    )
+    return num_accepted, next_token, emitted, logprobs
