@@ -148,9 +148,10 @@ def blocks_for(tau: float, a: float, b: float) -> float | None:
     return math.exp((tau - a) / b) if b > 0 else None
 
 
-def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: Path, rate: float | None) -> None:
+def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: Path, rate: float | None,
+                 earlier: list[dict] = ()) -> None:
     """Held-out τ against blocks seen (log axis), the fitted curve extended to the τ goals, each goal marked with its
-    blocks (and CPU hours at `rate` blocks per second)."""
+    blocks (and CPU hours at `rate` blocks per second); `earlier` points (label, blocks, τ) drawn beside, not fitted."""
     import math
 
     import matplotlib
@@ -159,9 +160,14 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    if earlier:
+        ax.plot([r["blocks"] for r in earlier], [r["tau"] for r in earlier], "s", color="grey",
+                label="earlier rounds (not fitted)")
+        for r in earlier:
+            ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(4, -10), fontsize=6)
     ax.plot([r["blocks"] for r in rows], [r["tau"] for r in rows], "o", color="C0", label="held-out τ (logged)")
     reach = [x for x in goals.values() if x] + [r["blocks"] for r in rows]
-    lo, hi = min(r["blocks"] for r in rows), max(reach) * 1.5
+    lo, hi = min(r["blocks"] for r in [*rows, *earlier]), max(reach) * 1.5
     xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
     ax.plot(xs, [fit[0] + fit[1] * math.log(x) for x in xs], "--", color="C1",
             label=f"fit τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks)")
@@ -180,7 +186,13 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
     fig.savefig(path, dpi=120)
 
 
-def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out") -> dict:
+def parse_earlier(spec: str) -> dict:
+    """`label:blocks:tau` → a point of an earlier round."""
+    label, blocks, tau = spec.rsplit(":", 2)
+    return {"label": label, "blocks": int(blocks), "tau": float(tau)}
+
+
+def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = ()) -> dict:
     import statistics
 
     history = newest_state(run_dir)["log_history"]
@@ -189,13 +201,13 @@ def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out")
     rate = statistics.median(rates) if rates else None
     fit = fit_log_curve([r["blocks"] for r in rows], [r["tau"] for r in rows])
     goals = {3.0: blocks_for(3.0, *fit), 4.0: blocks_for(4.0, *fit)}
-    result = {"run": str(run_dir), "key": key, "blocks_before": blocks_before, "rows": rows,
+    result = {"run": str(run_dir), "key": key, "blocks_before": blocks_before, "rows": rows, "earlier": list(earlier),
               "fit": {"a": fit[0], "b": fit[1], "form": "tau = a + b * ln(blocks)"},
               "blocks_per_second": rate, "goals": {str(t): {"blocks": x, "cpu_hours": x / rate / 3600 if x and rate
                                                              else None} for t, x in goals.items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "tau_by_compute.json").write_text(json.dumps(result, indent=1))
-    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate)
+    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate, list(earlier))
     for r in rows:
         print(f"step {r['step']:>6}  blocks {r['blocks']:>10,}  τ {r['tau']:.3f}")
     print(f"fit: τ = {fit[0]:.3f} + {fit[1]:.4f}·ln(blocks); run speed {rate} blocks/s (median logged)")
@@ -221,9 +233,13 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks-before", type=int, default=0,
                         help="with --from-logs: blocks the run's starting drafter had already seen")
     parser.add_argument("--log-key", default="tau/held_out", help="with --from-logs: the logged τ to read")
+    parser.add_argument("--earlier", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
+                        help="with --from-logs: an earlier round's held-out τ at its blocks seen, drawn beside the "
+                             "run's points (not fitted); repeatable")
     args = parser.parse_args(argv)
     if args.from_logs:
-        from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key)
+        from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key,
+                  [parse_earlier(spec) for spec in args.earlier])
         return 0
     if args.plot_only:
         rows = json.loads((Path(args.out) / "tau_by_training.json").read_text())["rows"]

@@ -213,6 +213,10 @@ def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
     assert result["blocks_per_second"] == 120.0  # the median logged
     assert result["goals"]["4.0"]["cpu_hours"] == pytest.approx(math.exp(12.0) / 120.0 / 3600, rel=1e-6)
     assert (tmp_path / "out" / "tau_by_compute.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    earlier = [script.parse_earlier("round 1:200000:1.5"), script.parse_earlier("round 2:600000:9.9")]
+    assert earlier[0] == {"label": "round 1", "blocks": 200_000, "tau": 1.5}
+    again = script.from_logs(run, tmp_path / "out2", blocks_before=1_000_000, earlier=earlier)
+    assert again["fit"] == result["fit"] and again["earlier"] == earlier  # drawn beside, not fitted
     assert script.blocks_for(3.0, 2.0, -0.1) is None  # a falling fit reaches no goal
     with pytest.raises(ValueError, match="two or more"):
         script.fit_log_curve([10, 10], [1.5, 1.6])
