@@ -93,7 +93,7 @@ class DrafterTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "DFlash/DFly training steps: attention computes only the scores the block "
                                          "mask keeps (each block's context and its own rows, `trainer/block_attention"
                                          ".py`) instead of dense SDPA over every packed block; the same result to "
-                                         "rounding. On CPU it pays in eager runs (a drafter step 15% faster) and "
+                                         "rounding. On CPU it pays in eager runs (a drafter step 0.85x as long) and "
                                          "not under --compile_drafter, so the CPU defaults leave it off."}
     )
     compile_drafter: bool = field(
