@@ -90,6 +90,15 @@ def test_kernel_matches_reference(name, dtype):
     assert n_acc[-1] == int(depth[-1]) and (int(depth.max()) == 0 or max(n_acc) > 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_reference_natively_on_cuda(dtype):
+    """The GPU playbook's `pytest -m gpu` run: every case above, compiled for the device rather than interpreted."""
+    assert DEVICE == "cuda"
+    for name in sorted(CASES):
+        test_kernel_matches_reference(name, dtype)
+
+
 def test_ties_take_the_first_maximum_and_reject_a_later_one():
     """A draft equal to a tied maximum that is not the first is rejected, and the next token is the first one, across
     the kernel's vocabulary blocks as within one; a row whose values are all -inf but one still normalises."""
