@@ -308,8 +308,9 @@ class DrafterTrainer(Trainer):
         index = torch.arange(length, device=ids.device)
         # step j (0-based) at index t reads x_{t+1+j} and predicts x_{t+2+j}
         step_tokens = torch.stack([_gather_rows(ids, (index + 1 + j).expand(ids.shape[0], -1)) for j in range(steps)], 1)
-        hidden = self._training_call(model)(context_hidden_states=features[:, :length], inputs_embeds=embed(step_tokens).to(features.dtype)
-                       ).last_hidden_state  # [N, S, L, H]
+        hidden = self._training_call(model)(
+            context_hidden_states=features[:, :length], inputs_embeds=embed(step_tokens).to(features.dtype)
+        ).last_hidden_state  # [N, S, L, H]
         target_pos = index[None, None, :] + 2 + torch.arange(steps, device=ids.device)[None, :, None]  # [1, S, L]
         target_pos = target_pos.expand(ids.shape[0], -1, -1)
         valid = (target_pos < ids.shape[1]) & _gather_rows(supervised, target_pos.flatten(1)).view_as(target_pos)
