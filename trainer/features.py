@@ -4,7 +4,16 @@ a `datasets` Arrow table (memory-mapped; half the bytes of fp32 per token)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 
 @torch.no_grad()
@@ -34,10 +43,6 @@ class StatesStore:
     reported once and training continues online. Batches must be right-padded (`DrafterCollator`)."""
 
     def __init__(self, folder, target, layer_ids, final: bool = False):
-        import hashlib
-        import json
-        from pathlib import Path
-
         weights = target.get_input_embeddings().weight.detach()
         key = {"target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
                "dtype": str(weights.dtype).removeprefix("torch."), "layer_ids": [int(i) for i in layer_ids],
@@ -55,18 +60,12 @@ class StatesStore:
 
     def path(self, ids: list[int]):
         """The file of the sequence `ids` (its unpadded token ids)."""
-        import hashlib
-
-        import numpy as np
-
         return self.folder / f"{hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()}.safetensors"
 
     @torch.no_grad()
     def states(self, target, input_ids, attention_mask):
         """`target_states(target, input_ids, attention_mask, layer_ids, final)`, each row read from the store when it
         holds it and computed (and stored) when not. Padding positions are zeros."""
-        from safetensors.torch import load_file
-
         lengths = attention_mask.sum(1).tolist()
         paths = [self.path(input_ids[i, :n].tolist()) for i, n in enumerate(lengths)]
         rows = {}
@@ -99,12 +98,6 @@ class StatesStore:
         return padded("features"), (padded("final") if self.final else None)
 
     def _write(self, path, tensors):
-        import os
-        import sys
-
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
         if self._write_failed:
             return
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -138,12 +131,8 @@ def cache_features(target, dataset, layer_ids, folder, batch_size: int = 8, fina
     done and computes the rest (the 8,496 code + math sequences of `data/regenerated/`, cut at 384 tokens, took
     17 shards of about 4.3 min each on 2 CPU threads, 12 GB with distillation's final states). A folder already holding the same columns for the same examples and layers (e.g. written by the
     DFlash run for the DFly run on identical data) is reused, not recomputed; one left by other data is replaced."""
-    import hashlib
-    import json
     import shutil
-    import sys
     import time
-    from pathlib import Path
 
     from datasets import concatenate_datasets, load_from_disk
 
