@@ -179,11 +179,10 @@ STEP_KINDS = {  # kind: (drafter family, the engine's trace choice expected at t
 # The most reads of the device one decoding step of each kind may make. One: the step's results, read together
 # (`SpeculativeEngine._read`). Where D-Cut chooses the depths on the device (a budget, "auto", n-gram lookups whose
 # use is decided by calibrated acceptance), the host reads them before the packed forward, whose size they are:
-# two. MTP's chained drafting steps ask the KV pool for their counts (`PoolDraftCache.prepare` is given a fresh
-# tensor of ones per chained position): one read per position after the first. CPU's early stop of drafting in
-# "auto" asks after each drafted position.
-MTP_CHAINED = 3 - 1  # the tiny MTP drafter's positions after the first (`helpers.FAMILIES`)
-MAX_READS = {"plain": 1, "drafted_greedy": 1, "drafted_sampled": 1, "drafted_seeded": 1, "mtp_greedy": 1 + MTP_CHAINED,
+# two. MTP's chained drafting steps add one token per sequence, which they tell the KV pool
+# (`PoolDraftCache.prepare(..., num_new_host=1)`), so they read nothing. CPU's early stop of drafting in "auto" asks
+# after each drafted position.
+MAX_READS = {"plain": 1, "drafted_greedy": 1, "drafted_sampled": 1, "drafted_seeded": 1, "mtp_greedy": 1,
              "auto_greedy": 2, "auto_greedy_cpu": 2 + 5, "lookup": 2}
 
 

@@ -13,9 +13,9 @@ from angelspec_hf.shipped import SHIPPED_DIR
 def test_shipped_code_matches_an_export_of_modeling(folder, tmp_path):
     written = {p.name: p.read_text() for p in export_drafter_code(folder, tmp_path)}
     shipped = {p.name: p.read_text() for p in folder.glob("*.py")}
-    assert sorted(shipped) == sorted(written), "run `python -m angelspec_hf.ship --code drafters/*`"
+    assert sorted(shipped) == sorted(written), "run `python -m angelspec_hf.ship --code drafters/*/`"
     stale = [name for name in written if shipped[name] != written[name]]
-    assert not stale, f"{stale} differ from modeling/: run `python -m angelspec_hf.ship --code drafters/*`"
+    assert not stale, f"{stale} differ from modeling/: run `python -m angelspec_hf.ship --code drafters/*/`"
 
 
 @pytest.mark.parametrize("family,own", [("mtp", {"mtp"}), ("dflash", {"dflash"}), ("dfly", {"dflash", "dfly"})])

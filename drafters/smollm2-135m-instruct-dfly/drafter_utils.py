@@ -81,7 +81,7 @@ class DraftState:
     cache: object
     context_length: int = 0  # context positions whose target features are in `cache`
 
-    def prepare(self, num_new: torch.Tensor, block: int, dtype: torch.dtype):
+    def prepare(self, num_new: torch.Tensor, block: int, dtype: torch.dtype, num_new_host: int | None = None):
         """`(layer cache, position_ids, attention_mask)` of one forward: the cache and the defaults (None, None)."""
         return self.cache, None, None
 
@@ -182,9 +182,11 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
         num_new (`torch.LongTensor` of shape `(batch_size,)`): valid new features per sequence (at least 1).
         anchors (`torch.LongTensor` of shape `(batch_size,)`): the last accepted token, not yet seen by the target.
         select, keep_going: as `draft_loop` calls them; `embed_tokens`, `lm_head` the target's (`draft_lm_head`).
-        cache: the drafter's KV store, with `prepare(num_new [B], block, dtype) -> (layer cache, position_ids,
-            attention_mask)` readying one forward that adds each sequence's `num_new` tokens and then `block`
-            transient ones (attended to, not kept). Entries of chained steps (MTP) are the caller's to drop.
+        cache: the drafter's KV store, with `prepare(num_new [B], block, dtype, num_new_host=None) -> (layer cache,
+            position_ids, attention_mask)` readying one forward that adds each sequence's `num_new` tokens and then
+            `block` transient ones (attended to, not kept); `num_new_host` (an int) says every sequence adds that
+            many, so a device cache need not read `num_new` back. Entries of chained steps (MTP) are the caller's
+            to drop.
 
         Returns tokens `(batch_size, K)`, q and confidences `(batch_size, K)` as `draft_loop` does.
         """

@@ -163,7 +163,7 @@ class MTPDrafter(DrafterPreTrainedModel):
         def logits_at(j, previous):
             nonlocal hidden
             if j:  # chain: the drafter's own output stands in for the target's hidden state
-                layer_cache, position_ids, attention_mask = cache.prepare(one, 0, self.dtype)
+                layer_cache, position_ids, attention_mask = cache.prepare(one, 0, self.dtype, num_new_host=1)
                 hidden = self(hidden[:, None], embed_tokens(previous[:, None]).to(self.dtype), position_ids,
                               attention_mask, layer_cache).last_hidden_state[:, 0]
             return self.head(hidden, lm_head)

@@ -381,12 +381,15 @@ class PoolDraftCache:
         self.slots_host = slots_host if slots_host is not None else slots.tolist()
         self._known = (new, new_host)  # the counts `new` the caller passes first, and their host values
 
-    def prepare(self, num_new: torch.Tensor, block: int, dtype):
+    def prepare(self, num_new: torch.Tensor, block: int, dtype, num_new_host: int | None = None):
         """`(PoolCache, position_ids [B, n_max + block], additive mask)`: causal over each sequence's keys for the
         new tokens; with a `block`, its rows see every valid key and the whole block, which is not stored. The
-        counts are read from the device unless they are the `new` given with their host values (a chained MTP
-        step's ones are read: one read per chained position)."""
-        new_host = self._known[1] if num_new is self._known[0] else None
+        counts are read from the device unless they are the `new` given with their host values, or `num_new_host`
+        says every sequence adds that many (a chained MTP step: one each)."""
+        if num_new_host is not None:
+            new_host = [num_new_host] * len(self.slots_host)
+        else:
+            new_host = self._known[1] if num_new is self._known[0] else None
         step = RaggedStep.build(self.pool, self.slots, num_new, packed=False, slots_host=self.slots_host,
                                 new_host=new_host)
         step.commit()
