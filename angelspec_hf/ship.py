@@ -33,7 +33,7 @@ def ship(run_dir, dest, full_vocab: bool = False) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
     drafter.save_pretrained(dest)
-    for name in ("README.md", "loss_curve.png"):  # the run's model card and its loss curve
+    for name in ("README.md", "loss_curve.png", "tau_by_compute.png"):  # the run's model card and its plots
         if (Path(run_dir) / name).is_file():
             shutil.copy(Path(run_dir) / name, dest / name)
     return dest

@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import angelspec_hf  # noqa: E402
 from angelspec_hf.shipped import drafter_for_target  # noqa: E402
+from angelspec_hf.trainer.compute_curve import (  # noqa: E402,F401 (blocks_for, fit_log_curve: for the tests)
+    blocks_for, curve, fit_log_curve, plot_compute)
 from angelspec_hf.trainer.evaluation import measure_acceptance  # noqa: E402
 from angelspec_hf.weights_store import MANIFEST, WeightFile, write_blob  # noqa: E402
 from tune_stop_threshold import held_out_prompts  # noqa: E402
@@ -119,95 +121,25 @@ def newest_state(run_dir) -> dict:
     return max(states, key=lambda state: state.get("global_step", 0))
 
 
-def rows_from_logs(log_history: list[dict], key: str = "tau/held_out", blocks_before: int = 0) -> list[dict]:
-    """`[{"step", "blocks", "tau"}]` for each logged `key` that carries the blocks seen (in step order, one per
-    step), with `blocks_before` added."""
-    rows = {}
-    for entry in log_history:
-        if key in entry and "blocks" in entry:
-            rows[entry["step"]] = {"step": entry["step"], "blocks": entry["blocks"] + blocks_before, "tau": entry[key]}
-    return [rows[step] for step in sorted(rows)]
-
-
-def fit_log_curve(blocks, taus) -> tuple[float, float]:
-    """Least-squares `(a, b)` of τ = a + b·ln(blocks) over points with blocks > 0 (needs two distinct block counts)."""
-    import math
-
-    points = [(math.log(x), y) for x, y in zip(blocks, taus) if x > 0]
-    if len({x for x, _ in points}) < 2:
-        raise ValueError("the fit needs τ at two or more different block counts")
-    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
-    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return my - b * mx, b
-
-
-def blocks_for(tau: float, a: float, b: float) -> float | None:
-    """Blocks at which the fit reaches `tau` (None when the fit does not rise)."""
-    import math
-
-    return math.exp((tau - a) / b) if b > 0 else None
-
-
-def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: Path, rate: float | None,
-                 earlier: list[dict] = ()) -> None:
-    """Held-out τ against blocks seen (log axis), the fitted curve extended to the τ goals, each goal marked with its
-    blocks (and CPU hours at `rate` blocks per second); `earlier` points (label, blocks, τ) drawn beside, not fitted."""
-    import math
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.0, 4.0))
-    if earlier:
-        ax.plot([r["blocks"] for r in earlier], [r["tau"] for r in earlier], "s", color="grey",
-                label="earlier rounds (not fitted)")
-        for r in earlier:
-            ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(4, -10), fontsize=6)
-    ax.plot([r["blocks"] for r in rows], [r["tau"] for r in rows], "o", color="C0", label="held-out τ (logged)")
-    reach = [x for x in goals.values() if x] + [r["blocks"] for r in rows]
-    lo, hi = min(r["blocks"] for r in [*rows, *earlier]), max(reach) * 1.5
-    xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
-    ax.plot(xs, [fit[0] + fit[1] * math.log(x) for x in xs], "--", color="C1",
-            label=f"fit τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks)")
-    for tau, blocks in goals.items():
-        ax.axhline(tau, color="grey", lw=0.8, ls=":")
-        if blocks:
-            hours = f", {blocks / rate / 3600:,.0f} h" if rate else ""
-            ax.annotate(f"τ {tau}: {blocks:.2g} blocks{hours}", (blocks, tau), textcoords="offset points",
-                        xytext=(-120, 6), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("training blocks seen (anchors with a supervised row)")
-    ax.set_ylabel("τ: held-out, greedy, whole blocks of 8")
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def parse_earlier(spec: str) -> dict:
     """`label:blocks:tau` → a point of an earlier round."""
     label, blocks, tau = spec.rsplit(":", 2)
     return {"label": label, "blocks": int(blocks), "tau": float(tau)}
 
 
-def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = ()) -> dict:
-    import statistics
-
-    history = newest_state(run_dir)["log_history"]
-    rows = rows_from_logs(history, key, blocks_before)
-    rates = [e["blocks_per_second"] for e in history if "blocks_per_second" in e]
-    rate = statistics.median(rates) if rates else None
-    fit = fit_log_curve([r["blocks"] for r in rows], [r["tau"] for r in rows])
-    goals = {3.0: blocks_for(3.0, *fit), 4.0: blocks_for(4.0, *fit)}
-    result = {"run": str(run_dir), "key": key, "blocks_before": blocks_before, "rows": rows, "earlier": list(earlier),
-              "fit": {"a": fit[0], "b": fit[1], "form": "tau = a + b * ln(blocks)"},
-              "blocks_per_second": rate, "goals": {str(t): {"blocks": x, "cpu_hours": x / rate / 3600 if x and rate
-                                                             else None} for t, x in goals.items()}}
+def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = (),
+              compare: list[dict] = ()) -> dict:
+    found = curve(newest_state(run_dir)["log_history"], blocks_before, key)
+    if found is None:
+        raise ValueError(f"{run_dir} logged {key} at fewer than two different block counts: nothing to fit")
+    rows, rate = found["rows"], found["blocks_per_second"]
+    fit = (found["fit"]["a"], found["fit"]["b"])
+    goals = {float(t): g["blocks"] for t, g in found["goals"].items()}
+    result = {"run": str(run_dir), **found, "earlier": list(earlier), "compare": list(compare),
+              "goals": {t: {"blocks": g["blocks"], "cpu_hours": g["hours"]} for t, g in found["goals"].items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "tau_by_compute.json").write_text(json.dumps(result, indent=1))
-    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate, list(earlier))
+    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate, list(earlier), list(compare))
     for r in rows:
         print(f"step {r['step']:>6}  blocks {r['blocks']:>10,}  τ {r['tau']:.3f}")
     print(f"fit: τ = {fit[0]:.3f} + {fit[1]:.4f}·ln(blocks); run speed {rate} blocks/s (median logged)")
@@ -236,10 +168,13 @@ def main(argv=None) -> int:
     parser.add_argument("--earlier", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
                         help="with --from-logs: an earlier round's held-out τ at its blocks seen, drawn beside the "
                              "run's points (not fitted); repeatable")
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
+                        help="with --from-logs: another drafter's held-out τ on the same prompts (e.g. the DFlash "
+                             "baseline at its blocks seen), drawn apart from the run (not fitted); repeatable")
     args = parser.parse_args(argv)
     if args.from_logs:
         from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key,
-                  [parse_earlier(spec) for spec in args.earlier])
+                  [parse_earlier(spec) for spec in args.earlier], [parse_earlier(spec) for spec in args.compare])
         return 0
     if args.plot_only:
         rows = json.loads((Path(args.out) / "tau_by_training.json").read_text())["rows"]

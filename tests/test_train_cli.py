@@ -88,6 +88,29 @@ def test_rounds_with_other_seeds_share_one_feature_cache(tiny, tmp_path):
     assert logged_losses(tmp_path / "round2")
 
 
+def test_a_continued_run_plots_held_out_tau_against_every_block_seen(tiny, tmp_path):
+    """A run's saved config records the training blocks its drafter has seen (`training_blocks`); a run continued
+    from it counts on from there, and its card shows held-out τ against the whole count with the fit
+    (`tau_by_compute.png`)."""
+    common = ["--max_steps", "2", "--save_strategy", "no", "--eval_steps", "1", "--eval_prompts", "1",
+              "--eval_prompts_from", "held_out", "--eval_max_new_tokens", "8"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_main(cli_args(tiny, first, *common))
+    seen = json.loads((first / "config.json").read_text())["training_blocks"]
+    logged = [h for h in json.loads((first / "trainer_state.json").read_text())["log_history"] if "blocks" in h]
+    assert seen == logged[-1]["blocks"] > 0
+    train_main(cli_args(tiny, second, *common, "--init_drafter", str(first)))
+    history = json.loads((second / "trainer_state.json").read_text())["log_history"]
+    run_blocks = max(h["blocks"] for h in history if "blocks" in h)
+    assert json.loads((second / "config.json").read_text())["training_blocks"] == seen + run_blocks
+    card = (second / "README.md").read_text()
+    assert "### Held-out τ against training compute" in card and "(tau_by_compute.png)" in card
+    assert (second / "tau_by_compute.png").read_bytes()[:4] == b"\x89PNG"
+    points = [h for h in history if "tau/held_out" in h]
+    assert len(points) == 3  # before the first step, after steps 1 and 2
+    assert f"{points[0]['tau/held_out']:.3f} at {seen:,} blocks" in card  # the count starts where the first run ended
+
+
 def test_output_is_what_a_push_uploads(tiny, tmp_path):
     out = tmp_path / "run"
     train_main(cli_args(tiny, out, "--max_steps", "2", "--save_strategy", "no", "--eval_prompts", "1",

@@ -217,6 +217,11 @@ def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
     assert earlier[0] == {"label": "round 1", "blocks": 200_000, "tau": 1.5}
     again = script.from_logs(run, tmp_path / "out2", blocks_before=1_000_000, earlier=earlier)
     assert again["fit"] == result["fit"] and again["earlier"] == earlier  # drawn beside, not fitted
+    compare = [script.parse_earlier("DFlash:300000:0.5")]  # far below the curve and left of it: not fitted either
+    third = script.from_logs(run, tmp_path / "out3", blocks_before=1_000_000, earlier=earlier, compare=compare)
+    assert third["fit"] == result["fit"] and third["compare"] == compare
+    drawn = [(tmp_path / out / "tau_by_compute.png").read_bytes() for out in ("out2", "out3")]
+    assert drawn[0] != drawn[1]
     assert script.blocks_for(3.0, 2.0, -0.1) is None  # a falling fit reaches no goal
     with pytest.raises(ValueError, match="two or more"):
         script.fit_log_curve([10, 10], [1.5, 1.6])

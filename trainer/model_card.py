@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .compute_curve import card_section
+
 _DATASET_IDS = {  # TRAIN sets → their public sources (for the card's `datasets:` metadata)
     "sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered",
     "alpaca": "tatsu-lab/alpaca",
@@ -58,8 +60,9 @@ def plot_loss_curve(log_history: list[dict], path) -> Path | None:
 
 
 def model_card(drafter, base_model: str, train_sets, acceptance: dict, training: dict | None = None,
-               loss_curve: str | None = None) -> str:
-    """Markdown with a Hub YAML header; `acceptance` as `acceptance_rows` takes it; `loss_curve` a PNG beside it."""
+               loss_curve: str | None = None, compute_curve: str | None = None) -> str:
+    """Markdown with a Hub YAML header; `acceptance` as `acceptance_rows` takes it; `loss_curve` a PNG beside it;
+    `compute_curve` the held-out τ against training blocks section (`compute_curve.card_section`)."""
     c = drafter.config
     family = type(drafter).__name__
     block = getattr(c, "block_size", None)
@@ -71,6 +74,8 @@ def model_card(drafter, base_model: str, train_sets, acceptance: dict, training:
     trained = "\n".join(f"- {k}: {v}" for k, v in (training or {}).items())
     if loss_curve:
         trained += f"\n\n![training loss and eval τ]({loss_curve})"
+    if compute_curve:
+        trained += f"\n\n### Held-out τ against training compute\n\n{compute_curve}"
     body = f"""# {family} drafter for {base_model}
 
 A speculative-decoding drafter ({family}, `model_type: {c.model_type}`) trained with angelspec-hf on the target's
@@ -99,10 +104,14 @@ token was accepted, with `generate(assistant_model=...)`, whole blocks drafted:
     return "\n".join(header) + body
 
 
-def write_model_card(folder, *args, log_history=None, **kwargs) -> Path:
-    """README.md in `folder` (and `loss_curve.png` from the trainer's `log_history`, when given)."""
+def write_model_card(folder, *args, log_history=None, blocks_before: int = 0, **kwargs) -> Path:
+    """README.md in `folder` (and from the trainer's `log_history`, when given: `loss_curve.png`, and
+    `tau_by_compute.png` when the run logged held-out τ at two or more points, plotted against every block the drafter
+    has seen, `blocks_before` the run included)."""
     if log_history and plot_loss_curve(log_history, Path(folder) / "loss_curve.png"):
         kwargs["loss_curve"] = "loss_curve.png"
+    if log_history and (section := card_section(log_history, folder, blocks_before)):
+        kwargs["compute_curve"] = section
     path = Path(folder) / "README.md"
     path.write_text(model_card(*args, **kwargs), encoding="utf-8")
     return path

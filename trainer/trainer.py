@@ -166,6 +166,8 @@ class DrafterTrainer(Trainer):
             self._block_head_loss = torch.compile(_block_head_loss, dynamic=True)
         self.blocks_seen = BlocksSeen()
         self.add_callback(self.blocks_seen)
+        # blocks the starting drafter had seen (its config's `training_blocks`, which `_save` keeps cumulative)
+        self.blocks_before = int(getattr(self._drafter.config, "training_blocks", None) or 0)
         self._last_log = None  # (time, blocks) at the previous log
 
     def _get_train_sampler(self, train_dataset=None):
@@ -246,7 +248,16 @@ class DrafterTrainer(Trainer):
     def create_model_card(self, **kwargs):
         """The card `push_to_hub` uploads: base model, data, block size and the measured τ per eval set."""
         write_model_card(self.args.output_dir, self._drafter, self.base_model_id, self.args.train_sets,
-                         self.acceptance, self.training_summary, log_history=self.state.log_history)
+                         self.acceptance, self.training_summary, log_history=self.state.log_history,
+                         blocks_before=self.blocks_before)
+
+    def _save(self, output_dir=None, state_dict=None):
+        """Saves as `Trainer` does, with the drafter's config recording every training block it has seen
+        (`training_blocks`: the starting drafter's and this run's), so a run continued from it plots its held-out τ
+        against the whole count."""
+        blocks = self.blocks_seen.count * self.accelerator.num_processes
+        self._drafter.config.training_blocks = self.blocks_before + blocks
+        super()._save(output_dir, state_dict)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if num_items_in_batch is None:  # evaluation: normalise by this batch's own supervised tokens
