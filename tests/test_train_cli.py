@@ -162,7 +162,10 @@ save_strategy: "no"
     (tmp_path / "recipe.yaml").write_text(recipe)
     train_main([str(tmp_path / "recipe.yaml")])
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 1
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["num_draft_tokens"] == 2
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["num_draft_tokens"] == 2
+    # an MTP block: a position whose unrolled chain has a supervised prediction (at most 2 x 127 in one step)
+    assert 0 < config["training_blocks"] <= 2 * 127
 
 
 def test_config_overrides_shape_a_fresh_drafter(tiny, tmp_path):

@@ -51,7 +51,8 @@ class SeededLengthGroupedSampler(LengthGroupedSampler):
 
 
 class BlocksSeen(TrainerCallback, ExportableState):
-    """Counts the training blocks (anchors with at least one supervised row) the drafter has been trained on, kept in
+    """Counts the training blocks (anchors with at least one supervised row; for MTP, positions with at least one
+    supervised prediction in their unrolled chain) the drafter has been trained on, kept in
     the checkpoint's `trainer_state.json` so a resumed run continues the count. `DrafterTrainer.log` adds it to every
     log entry as `blocks`, with `blocks_per_second` over the last logging interval."""
 
@@ -325,6 +326,8 @@ class DrafterTrainer(Trainer):
         target_pos = index[None, None, :] + 2 + torch.arange(steps, device=ids.device)[None, :, None]  # [1, S, L]
         target_pos = target_pos.expand(ids.shape[0], -1, -1)
         valid = (target_pos < ids.shape[1]) & _gather_rows(supervised, target_pos.flatten(1)).view_as(target_pos)
+        if model.training:  # an MTP "block": a position whose chain of S predictions has a supervised one
+            self.blocks_seen.count += int(valid.any(1).sum())
         step_of = torch.arange(steps, device=ids.device)[None, :, None].expand_as(valid)
         labels = _gather_rows(ids, target_pos.flatten(1)).view_as(target_pos)
         logits = self._drafter.head(hidden[valid], lm_head)  # [M, V]: supervised predictions only
