@@ -136,3 +136,19 @@ def make_app(drafter=True, **kwargs):
                                max_batch_size=8)
     limits = dict(max_input_tokens=128, max_total_tokens=384, max_concurrent_requests=6) | kwargs
     return create_app(engine, tokenizer, MODEL_ID, **limits), engine
+
+
+def count_calls(monkeypatch, **targets) -> dict:
+    """Wraps each `name=(module, attribute)` function so that its calls are counted: returns `{name: calls}`, kept
+    up to date (e.g. to check which of a kernel and its reference a dispatch ran)."""
+    calls = {name: 0 for name in targets}
+
+    def counted(name, impl):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return impl(*args, **kwargs)
+        return wrapper
+
+    for name, (module, attribute) in targets.items():
+        monkeypatch.setattr(module, attribute, counted(name, getattr(module, attribute)))
+    return calls

@@ -157,16 +157,9 @@ def test_no_draft_at_all():
 def test_dispatch_takes_the_kernel_when_forced_and_checks_the_draft_width(monkeypatch):
     """`verification.verify_greedy` runs the kernel under `ANGELSPEC_FORCE_TRITON=1` and the reference without; both
     give the same `Verified`. Fewer drafts than the positions verify is a clear error on both paths."""
-    calls = {"kernel": 0, "reference": 0}
+    from helpers import count_calls
 
-    def counted(name, impl):
-        def wrapper(*args):
-            calls[name] += 1
-            return impl(*args)
-        return wrapper
-
-    monkeypatch.setattr(tk, "verify_greedy", counted("kernel", tk.verify_greedy))
-    monkeypatch.setattr(reference, "verify_greedy", counted("reference", reference.verify_greedy))
+    calls = count_calls(monkeypatch, kernel=(tk, "verify_greedy"), reference=(reference, "verify_greedy"))
     logits, positions, draft, depth = _case(300, [2, 0, 4], 4, torch.float32, seed=5)
     args = [t.to(DEVICE) for t in (logits, positions, draft, depth)]
     results = {}
@@ -189,22 +182,10 @@ def test_engine_greedy_steps_run_the_kernel_and_stay_plain_greedy(monkeypatch, v
     """The engine on the Triton path (forced here; automatic on CUDA): every greedy verification is one call of the
     kernel, never the reference, and the output is the target's own greedy output, with drafts accepted."""
     from angelspec_hf.tgi_patch.engine import generate_batch
-    from helpers import tiny_drafter, tiny_target
-
-    calls = {"kernel": 0, "reference": 0}
-    kernel, ref = tk.verify_greedy, reference.verify_greedy
-
-    def counted_kernel(*args):
-        calls["kernel"] += 1
-        return kernel(*args)
-
-    def counted_reference(*args):
-        calls["reference"] += 1
-        return ref(*args)
+    from helpers import count_calls, tiny_drafter, tiny_target
 
     monkeypatch.setenv("ANGELSPEC_FORCE_TRITON", "1")
-    monkeypatch.setattr(tk, "verify_greedy", counted_kernel)
-    monkeypatch.setattr(reference, "verify_greedy", counted_reference)
+    calls = count_calls(monkeypatch, kernel=(tk, "verify_greedy"), reference=(reference, "verify_greedy"))
     # the engine switches its target's attention; the twin keeps eager attention
     target, twin = tiny_target().to(DEVICE), tiny_target().to(DEVICE)
     drafter = tiny_drafter("dfly", target).to(DEVICE)

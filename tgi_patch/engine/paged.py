@@ -8,10 +8,11 @@ page table; rejected draft tokens are dropped by lowering its length (their slot
 Two ways a model reads it:
 * the target runs **packed** — the new tokens of all sequences in one row `[1, T]`, so every linear layer costs the
   tokens actually verified — through the `angelspec_ragged` attention function registered below (it writes the new
-  keys/values into the pool, gathers each sequence's keys, attends, and packs the result back). Attention pads the
-  queries of a group of sequences to its longest: sequences are grouped by their new-token count in powers of two
-  (`RaggedStep.groups`), so a prompt prefilled beside decoding requests, or one long draft beside short ones, does
-  not pad every sequence of the batch to its length;
+  keys/values into the pool, then attends through `kernels.paged_attention`: on CUDA a Triton kernel that reads each
+  sequence's keys through the page table, elsewhere a gather of each sequence's keys, SDPA, and the result packed
+  back). The gathering path pads the queries of a group of sequences to its longest: sequences are grouped by their
+  new-token count in powers of two (`RaggedStep.groups`), so a prompt prefilled beside decoding requests, or one long
+  draft beside short ones, does not pad every sequence of the batch to its length;
 * drafters run **padded** `[B, n_max]` through `PoolCache`, a cache object with the `update()` contract transformers'
   attention layers call, plus an explicit 4-D mask (drafter batches are small: one block per sequence).
 """
@@ -27,6 +28,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from angelspec_hf.modeling.drafter_utils import additive_mask
 
+from . import kernels
+from .kernels.reference import AttentionGroup, attention_groups
 from .transfer import upload
 
 RAGGED_ATTENTION = "angelspec_ragged"
@@ -193,6 +196,7 @@ class RaggedStep:
     token_row: torch.Tensor | None = None  # [T]
     token_col: torch.Tensor | None = None  # [T]
     _groups: list | None = None
+    _starts: torch.Tensor | None = None
     # `slots`, `held` and `new` as host integers: every shape of the step comes from them
     slots_host: list[int] | None = None
     held_host: list[int] | None = None
@@ -251,33 +255,19 @@ class RaggedStep:
 
     def groups(self, dtype) -> list[AttentionGroup]:
         """Packed mode: the step's sequences grouped by `new` rounded up to a power of two (padding within a group
-        stays under 2x), with what attention needs per group; built once per step, shared by every layer."""
+        stays under 2x), with what the gathering attention needs per group (`kernels.reference.attention_groups`);
+        built once per step, shared by every layer."""
         if self._groups is None:
-            dev = self.slots.device
-            # bucket: the bit length of new - 1 (1 | 2 | 3-4 | 5-8 ...), from the host's counts
-            bucket = [max(n - 1, 0).bit_length() for n in self.new_host]
-            groups = []
-            for b in sorted(set(bucket)):
-                rows_host = [r for r, rb in enumerate(bucket) if rb == b]
-                tokens_host, row_host, col_host, start, rank = [], [], [], 0, 0
-                for r, n in enumerate(self.new_host):  # packed order: row-major
-                    if bucket[r] == b:
-                        tokens_host += range(start, start + n)
-                        row_host += [rank] * n  # the row's index within the group
-                        col_host += range(n)
-                        rank += 1
-                    start += n
-                rows = upload(rows_host, dev)
-                kv_max = max(self.held_host[r] + self.new_host[r] for r in rows_host)
-                n_max = max(self.new_host[r] for r in rows_host)
-                key_pos = torch.arange(kv_max, device=dev)
-                query_pos = self.held[rows, None] + torch.arange(n_max, device=dev)[None, :]
-                allowed = self.key_valid[rows, None, :kv_max] & (key_pos[None, None, :] <= query_pos[:, :, None])
-                groups.append(AttentionGroup(upload(tokens_host, dev), upload(row_host, dev), upload(col_host, dev),
-                                             len(rows_host), n_max, self.gather_index[rows, :kv_max],
-                                             _additive(allowed[:, None], dtype)))
-            self._groups = groups
+            self._groups = attention_groups(self.pool.page_table, self.slots, self.held, self.new, self.pool.page_size,
+                                            self.held_host, self.new_host, dtype)
         return self._groups
+
+    def starts(self) -> torch.Tensor:
+        """Packed mode: `[B]` index of each sequence's first new token in the packed row (computed on the device
+        once per step, shared by every layer)."""
+        if self._starts is None:
+            self._starts = torch.cumsum(self.new, 0) - self.new
+        return self._starts
 
     def commit(self) -> None:
         self.pool.set_lengths(self.slots_host, [h + n for h, n in zip(self.held_host, self.new_host)], self.slots,
@@ -288,19 +278,6 @@ class RaggedStep:
         k = self.pool.k[layer][self.gather_index].transpose(1, 2)
         v = self.pool.v[layer][self.gather_index].transpose(1, 2)
         return k, v
-
-
-@dataclass
-class AttentionGroup:
-    """Sequences of a packed step that attend together, padded to their longest new-token count."""
-
-    tokens: torch.Tensor  # [t] packed indices of their new tokens
-    row: torch.Tensor  # [t] each token's sequence within the group
-    col: torch.Tensor  # [t] and its column (0: the sequence's first new token)
-    num_rows: int
-    n_max: int
-    gather_index: torch.Tensor  # [rows, kv_max] pool slots of each sequence's keys
-    mask: torch.Tensor  # additive [rows, 1, n_max, kv_max]
 
 
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -320,18 +297,10 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     pool = step.pool
     pool.k[layer][step.write_index] = key[0].transpose(0, 1).to(pool.k.dtype)
     pool.v[layer][step.write_index] = value[0].transpose(0, 1).to(pool.v.dtype)
-    packed = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(packed)
-    for group in step.groups(query.dtype):
-        keys = pool.k[layer][group.gather_index].transpose(1, 2).to(query.dtype)  # [rows, Hkv, kv_max, D]
-        values = pool.v[layer][group.gather_index].transpose(1, 2).to(query.dtype)
-        q = packed.new_zeros(group.num_rows, group.n_max, *packed.shape[1:])
-        q[group.row, group.col] = packed[group.tokens]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scaling,
-            enable_gqa=keys.shape[1] != q.shape[2],
-        )  # [rows, H, n_max, D]
-        out[group.tokens] = o.transpose(1, 2)[group.row, group.col]
+    out = kernels.paged_attention(
+        query[0].transpose(0, 1), pool.k[layer], pool.v[layer], pool.page_table, step.slots, step.held, step.new,
+        step.starts(), scaling, pool.page_size, step.held_host, step.new_host, groups=step.groups,
+    )  # [T, H, D]
     return out[None], None  # [1, T, H, D]
 
 

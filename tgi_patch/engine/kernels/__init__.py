@@ -1,7 +1,7 @@
-"""The engine's hot steps, D-Cut selection and verification (of a ragged batch, and of a greedy batch straight from the
-packed logits): Triton kernels on CUDA (`triton_kernels.py`), the torch reference (`reference.py`) everywhere else,
-side by side in this folder. Same signatures, same outputs; this module only dispatches (and never imports triton
-until a kernel is wanted)."""
+"""The engine's hot steps, D-Cut selection, verification (of a ragged batch, and of a greedy batch straight from the
+packed logits) and the packed target's attention over the paged KV store: Triton kernels on CUDA
+(`triton_kernels.py`), the torch reference (`reference.py`) everywhere else, side by side in this folder. Same
+signatures, same outputs; this module only dispatches (and never imports triton until a kernel is wanted)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import os
 from . import reference
 
 
-def _use_triton(tensor) -> bool:
+def _use_triton(tensor, force: str = "ANGELSPEC_FORCE_TRITON") -> bool:
+    """Triton on CUDA; on CPU only under Triton's interpreter and when the environment variable `force` is set."""
     if os.environ.get("ANGELSPEC_DISABLE_TRITON") == "1":
         return False
-    if not (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("ANGELSPEC_FORCE_TRITON")):
+    if not (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get(force)):
         return False
     try:
         from . import triton_kernels  # noqa: F401
@@ -47,3 +48,18 @@ def verify_greedy(logits, positions, draft, depth, depth_host=None):
     else:
         impl = reference.verify_greedy
     return impl(logits, positions, draft, depth, depth_host)
+
+
+def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
+                    held_host: list[int], new_host: list[int], groups=None):
+    """Causal attention of a packed ragged batch through the pool's page table (`reference.paged_attention` states
+    the contract): the Triton kernel on CUDA, the reference's gather + SDPA elsewhere. Under the interpreter the
+    kernel is forced by its own variable, `ANGELSPEC_FORCE_TRITON_ATTENTION=1` (not by `ANGELSPEC_FORCE_TRITON`):
+    interpreted, it costs milliseconds per (sequence, KV head) program in every layer, which would slow every
+    forced run of the verification kernels through the engine about tenfold."""
+    if _use_triton(query, force="ANGELSPEC_FORCE_TRITON_ATTENTION"):
+        from .triton_kernels import paged_attention as impl
+    else:
+        impl = reference.paged_attention
+    return impl(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size, held_host,
+                new_host, groups)

@@ -1,11 +1,16 @@
 """Torch reference implementations of the hot steps of a batched speculative step: D-Cut selection, verification of
-a ragged batch (greedy or rejection sampling) and greedy verification straight from the packed logits. The Triton
+a ragged batch (greedy or rejection sampling), greedy verification straight from the packed logits, and the packed
+target's attention over the paged KV store. The Triton
 versions are in `triton_kernels.py`, with the same signatures and outputs; the dispatch in `kernels/__init__.py` runs
 them on CUDA and these everywhere else. These define the results the kernels are tested against."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from angelspec_hf.modeling.drafter_utils import additive_mask
 
 from ..sampling import sample_from
 from ..transfer import upload
@@ -123,3 +128,86 @@ def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None 
     logprobs[tested[0], tested[1]] = log_probs.gather(-1, emitted[tested[0], tested[1]][:, None]).squeeze(-1)
     logprobs = torch.where(ar <= num_accepted[:, None], logprobs, 0.0)
     return num_accepted, next_token, emitted, logprobs
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of a packed step that attend together, padded to their longest new-token count."""
+
+    tokens: torch.Tensor  # [t] packed indices of their new tokens
+    row: torch.Tensor  # [t] each token's sequence within the group
+    col: torch.Tensor  # [t] and its column (0: the sequence's first new token)
+    num_rows: int
+    n_max: int
+    gather_index: torch.Tensor  # [rows, kv_max] pool slots of each sequence's keys
+    mask: torch.Tensor  # additive [rows, 1, n_max, kv_max]
+
+
+def attention_groups(page_table, slots, held, new, page_size: int, held_host: list[int], new_host: list[int],
+                     dtype) -> list[AttentionGroup]:
+    """The sequences of a packed step grouped by `new` rounded up to a power of two (1 | 2 | 3-4 | 5-8 ...: padding
+    within a group stays under 2x), with the pool slots of each sequence's keys (`page_table [S, W]` row `slots[b]`,
+    pages of `page_size`) and the additive causal mask of its new tokens: what `paged_attention` gathers and masks
+    with. `held`, `new` `[B]` on the device, the same as host lists `held_host`, `new_host` (every shape comes from
+    these: nothing is read back)."""
+    dev = slots.device
+    bucket = [max(n - 1, 0).bit_length() for n in new_host]
+    groups = []
+    for b in sorted(set(bucket)):
+        rows_host = [r for r, rb in enumerate(bucket) if rb == b]
+        tokens_host, row_host, col_host, start, rank = [], [], [], 0, 0
+        for r, n in enumerate(new_host):  # packed order: row-major
+            if bucket[r] == b:
+                tokens_host += range(start, start + n)
+                row_host += [rank] * n  # the row's index within the group
+                col_host += range(n)
+                rank += 1
+            start += n
+        rows = upload(rows_host, dev)
+        kv_max = max(held_host[r] + new_host[r] for r in rows_host)
+        n_max = max(new_host[r] for r in rows_host)
+        key_pos = torch.arange(kv_max, device=dev)
+        key_valid = key_pos[None, :] < (held + new)[rows, None]  # [rows, kv_max]
+        table = page_table[slots[rows]]
+        pages = table.gather(1, (key_pos // page_size).clamp(max=table.shape[1] - 1).expand(len(rows_host), -1))
+        index = pages * page_size + key_pos % page_size
+        gather_index = torch.where(key_valid, index, torch.zeros_like(index))  # invalid keys: the dummy slot 0
+        query_pos = held[rows, None] + torch.arange(n_max, device=dev)[None, :]
+        allowed = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])
+        groups.append(AttentionGroup(upload(tokens_host, dev), upload(row_host, dev), upload(col_host, dev),
+                                     len(rows_host), n_max, gather_index, additive_mask(allowed[:, None], dtype)))
+    return groups
+
+
+def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
+                    held_host: list[int], new_host: list[int], groups=None):
+    """Causal attention of a packed ragged batch over a paged KV store, for one layer.
+
+    query `[T, H, D]`: the new tokens of sequences `0..B-1` back to back (sequence b's at `starts[b]` onwards, `T =
+    sum(new)`); key_cache / value_cache `[num_slots, Hkv, D]` (H a multiple of Hkv; query head h reads KV head
+    `h // (H / Hkv)`), already holding every sequence's new keys/values; sequence b's token at pool position p sits
+    in slot `page_table[slots[b], p // page_size] * page_size + p % page_size`. Sequence b holds `held[b]` tokens
+    before this step and adds `new[b]` (`[B]` int64, on the device; `held_host` / `new_host`: the same on the host):
+    its new token c, at position `held[b] + c`, attends to its keys `0 .. held[b] + c`, with logits scaled by
+    `scaling` (None: `D ** -0.5`).
+
+    Returns `[T, H, D]` in the query's dtype. This reference gathers each group of sequences' keys/values into a
+    padded tensor and runs SDPA with an additive mask (`attention_groups`; `groups`: that list, or a function of the
+    dtype returning it, such as `RaggedStep.groups`, which builds it once per step; built here when None); the
+    kernel reads the pool through the page table and needs neither `groups` nor a gathered copy."""
+    if groups is None:
+        groups = attention_groups(page_table, slots, held, new, page_size, held_host, new_host, query.dtype)
+    elif callable(groups):
+        groups = groups(query.dtype)
+    out = torch.empty_like(query)
+    for group in groups:
+        keys = key_cache[group.gather_index].transpose(1, 2).to(query.dtype)  # [rows, Hkv, kv_max, D]
+        values = value_cache[group.gather_index].transpose(1, 2).to(query.dtype)
+        q = query.new_zeros(group.num_rows, group.n_max, *query.shape[1:])
+        q[group.row, group.col] = query[group.tokens]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scaling,
+            enable_gqa=keys.shape[1] != q.shape[2],
+        )  # [rows, H, n_max, D]
+        out[group.tokens] = o.transpose(1, 2)[group.row, group.col]
+    return out

@@ -11,6 +11,11 @@ that run on CPU and define what these compute. Dispatch is in `kernels/__init__.
   positions, each in one pass over the vocabulary in blocks (argmax, running maximum and sum of exponentials), until
   the first draft that differs from the argmax, and writes the accepted count, the next token, the emitted tokens and
   their log-probabilities: a greedy batch's whole verification in one launch.
+* `paged_attention`: the packed target's causal attention for one layer, one program per (sequence, KV head, tile of
+  query rows), a row being one (new token, query head sharing that KV head) pair, so the heads of a GQA group read
+  each key block once; keys and values are read straight from the pool through the page table, in blocks of 64 (32
+  for fp32 heads wider than 128), with an online softmax in fp32 (no padded copy of the cache). It compiles once per
+  (dtype, query tile of 16 | 32 | 64 rows, head-dim tile): batch, lengths and token counts are runtime values.
 
 Shapes that change from step to step are runtime arguments or rounded up to a power of two, so each kernel compiles
 once per bucket rather than once per step shape: the draft width `K` is a runtime stride (`dcut_select` unrolls over
@@ -271,3 +276,106 @@ def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None 
         BLOCK_V=min(1024, triton.next_power_of_2(vocab)), BLOCK_S=16,
     )
     return num_accepted, next_token, emitted, logprobs
+
+
+@triton.jit(do_not_specialize=["group", "head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                               "stride_table"])
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, slots_ptr, held_ptr, new_ptr, start_ptr,
+                            scale_log2, group, head_dim, page_size, stride_qt, stride_qh, stride_kt, stride_kh,
+                            stride_ot, stride_oh, stride_table, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program (sequence b, KV head, tile of BLOCK_M query rows); row r of sequence b's `new * group` rows is its new
+    # token r // group in query head `kv_head * group + r % group`: the query heads sharing a KV head read its keys once
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    new = tl.load(new_ptr + b)
+    if tile * BLOCK_M < new * group:  # (programs past the sequence's rows do nothing)
+        held = tl.load(held_ptr + b)
+        start = tl.load(start_ptr + b)
+        table_row = table_ptr + tl.load(slots_ptr + b) * stride_table
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < new * group
+        token = rows // group
+        head = kv_head * group + rows % group
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        q = tl.load(q_ptr + (start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        query_pos = held + token  # absolute position: it sees keys 0..query_pos of its sequence
+        last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // group, new - 1)
+        end = held + last_token + 1  # keys this tile needs
+        m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for key_start in range(0, end, BLOCK_N):
+            key_pos = key_start + tl.arange(0, BLOCK_N)
+            key_ok = key_pos < end
+            page = tl.load(table_row + key_pos // page_size, mask=key_ok, other=0)
+            kv_off = (page * page_size + key_pos % page_size)[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+            if FP32_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32 accumulation
+            allowed = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+            s = tl.where(allowed, s * scale_log2, -float("inf"))
+            # key 0 is in every row's first block, so the running maximum is finite from the first block on
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+            if FP32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + (start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+PAGED_ATTENTION_MAX_HEAD_DIM = 256
+
+
+def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
+                    held_host: list[int], new_host: list[int], groups=None):
+    """`reference.paged_attention`'s contract, through the page table (`groups` and `held_host` are not needed;
+    `new_host` sizes the grid). Any head_dim up to `PAGED_ATTENTION_MAX_HEAD_DIM` (padded to a power of two, at
+    least 16, inside the kernel); query and caches must be contiguous in their last dimension. Raises `ValueError`
+    otherwise, or when the query heads are not a multiple of the KV heads."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged attention: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if head_dim > PAGED_ATTENTION_MAX_HEAD_DIM:
+        raise ValueError(f"paged attention: head_dim {head_dim} is above the kernel's limit of "
+                         f"{PAGED_ATTENTION_MAX_HEAD_DIM}")
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged attention: {name} must be contiguous in its last dimension")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError("paged attention: key_cache and value_cache must have the same strides")
+    group = num_heads // num_kv_heads
+    if scaling is None:
+        scaling = head_dim ** -0.5
+    # query tiles sized to the longest sequence's rows (new tokens × query heads per KV head), in powers of two
+    rows = max(new_host) * group
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    fp32 = query.dtype == torch.float32
+    block_n = 32 if fp32 and block_d > 128 else 64  # (fp32 tiles of a wide head would need > 164 KiB shared memory)
+    grid = (len(new_host), num_kv_heads, triton.cdiv(rows, block_m))
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, out, page_table, slots.contiguous(), held.contiguous(), new.contiguous(),
+        starts.contiguous(),
+        float(scaling) * 1.4426950408889634, group, head_dim, page_size, query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
+        FP32_DOT=fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    )
+    return out
