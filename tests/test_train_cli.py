@@ -168,6 +168,17 @@ save_strategy: "no"
     assert 0 < config["training_blocks"] <= 2 * 127
 
 
+def test_mtp_under_bf16_autocast_trains_uncompiled_with_a_warning(tiny, tmp_path):
+    """TorchDynamo cannot trace MTP inside accelerate's autocast wrapper: `--compile_drafter` then says so and trains
+    the drafter as written instead of failing the run."""
+    args = cli_args(tiny, tmp_path / "run", "--max_steps", "1", "--save_strategy", "no", "--bf16", "true",
+                    "--compile_drafter", "true", "--mtp_num_steps", "2")
+    args[args.index("--drafter_type") + 1] = "mtp"
+    with pytest.warns(UserWarning, match="MTP is not compiled"):
+        train_main(args)
+    assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 1
+
+
 def test_config_overrides_shape_a_fresh_drafter(tiny, tmp_path):
     from angelspec_hf.modeling import DFlyConfig
 
