@@ -58,7 +58,7 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
         ax.plot([r["blocks"] for r in compare], [r["tau"] for r in compare], "^", color="C3",
                 label="other drafters, same prompts (not fitted)")
         for r in compare:
-            ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(4, 4), fontsize=6,
+            ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(6, -12), fontsize=6,
                         color="C3")
     reach = [x for x in goals.values() if x] + [r["blocks"] for r in rows]
     lo, hi = min(r["blocks"] for r in [*rows, *earlier, *compare]), max(reach) * 1.5
