@@ -108,6 +108,7 @@ def test_a_continued_run_plots_held_out_tau_against_every_block_seen(tiny, tmp_p
     assert (second / "tau_by_compute.png").read_bytes()[:4] == b"\x89PNG"
     points = [h for h in history if "tau/held_out" in h]
     assert len(points) == 3  # before the first step, after steps 1 and 2
+    assert [h["step"] for h in history if "loss" in h] == [1, 2]  # an eval at a logging step keeps its loss
     assert f"{points[0]['tau/held_out']:.3f} at {seen:,} blocks" in card  # the count starts where the first run ended
 
 

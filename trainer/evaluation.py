@@ -111,7 +111,9 @@ class AcceptanceEvalCallback(TrainerCallback):
         for name, prompts in self.prompts.items():
             result = measure_acceptance(self.trainer.target, drafter, self.tokenizer, prompts, self.max_new_tokens)
             self.last |= {f"tau/{name}": result["tau"], f"first/{name}": result["first"]}
+        due = self.trainer.control.should_log  # logging clears it: the step's loss, when due, is still logged after
         self.trainer.log(dict(self.last))
+        self.trainer.control.should_log = due
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.at_start and state.global_step == 0:  # the starting drafter's τ: the curve's first point
