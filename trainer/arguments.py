@@ -112,6 +112,11 @@ class DrafterTrainingArguments(TrainingArguments):
                                         "state and card are then saved as at max_steps; max_steps still shapes the "
                                         "learning-rate schedule). For runs with a hard time limit."}
     )
+    stop_at_step: int | None = field(
+        default=None, metadata={"help": "Stop after this optimiser step (the drafter, its state and card are then "
+                                        "saved as at max_steps, which still shapes the learning-rate schedule): a "
+                                        "run that matches another run's steps on the same schedule."}
+    )
 
     def __post_init__(self):
         if self.drafter_type not in DRAFTER_TYPES:
@@ -124,6 +129,8 @@ class DrafterTrainingArguments(TrainingArguments):
             raise ValueError(f"loss_decay_gamma must be positive, got {self.loss_decay_gamma}")
         if self.max_train_seconds is not None and self.max_train_seconds <= 0:
             raise ValueError(f"max_train_seconds must be positive, got {self.max_train_seconds}")
+        if self.stop_at_step is not None and self.stop_at_step < 1:
+            raise ValueError(f"stop_at_step must be >= 1, got {self.stop_at_step}")
         if self.mtp_num_steps < 1:
             raise ValueError(f"mtp_num_steps must be >= 1, got {self.mtp_num_steps}")
         if self.mtp_step_weights is None:

@@ -101,6 +101,19 @@ class TimeLimit(TrainerCallback):
         return control
 
 
+class StepLimit(TrainerCallback):
+    """Ends training after step `step` (`stop_at_step`) with a checkpoint of it, as `TimeLimit` does for time: the
+    learning-rate schedule stays the one `max_steps` shapes."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = control.should_save = True
+        return control
+
+
 def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target):
     import angelspec_hf
     from angelspec_hf.modeling import DRAFTERS
@@ -163,6 +176,8 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     trainer.base_model_id = margs.target or EMBEDDED_TARGET_ID
     if args.max_train_seconds:
         trainer.add_callback(TimeLimit(args.max_train_seconds))
+    if args.stop_at_step:
+        trainer.add_callback(StepLimit(args.stop_at_step))
     callback = None
     if args.eval_prompts:
         callback = AcceptanceEvalCallback(trainer, tokenizer, args.eval_prompts, args.eval_max_new_tokens,

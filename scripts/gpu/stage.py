@@ -53,7 +53,16 @@ PIP_PLATFORM = ("--only-binary=:all:", "--implementation", "cp", "--python-versi
                 "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
                 "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64")
 EVAL_FILES = ("mt_bench/question.jsonl", "humaneval/HumanEval.jsonl.gz", "gsm8k/test.jsonl", "spec_bench/question.jsonl")
+# the TRAIN prompt files `trainer.data.load_train_prompts` reads: the held-out τ the training logs (`--eval_prompts_from
+# held_out`) drafts for TRAIN prompts whose responses were never regenerated, so it needs the prompt lists themselves
+TRAIN_FILES = ("sharegpt/sharegpt_v3_sample.json", "alpaca/alpaca_en_demo.json", "gpteacher_codegen/codegen-instruct.json",
+               "code_alpaca/code_alpaca_2k.json", "gsm8k/train.jsonl")
+# what a previous GPU period returned (`stage.py receive`): `<family>-gpu/` folders the next period starts from
+INIT_FAMILIES = ("dfly", "dflash", "mtp")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the last call's other command line (docs/gpu.md): a train-only call, the three drafter families in turn
+TRAIN_COMMAND = ('PLAYBOOK_PARTS=train PLAYBOOK_TRAIN_FAMILIES="dfly dflash mtp" PLAYBOOK_BUDGET_TRAIN=450 '
+                 "bash scripts/gpu/playbook.sh")
 CHUNK = 8 * MIB
 EXIT_INCOMPLETE = 3
 
@@ -174,7 +183,15 @@ def plan_text(manifest: dict, payload: Path, repo=REPO, limit: int = DEVICE_LIMI
         raise StageError(f"{payload} is outside {repo}: a call carries paths inside the tree") from None
     lines = [f"pack {manifest['pack_id']}: {len(manifest['items'])} items, {_mib(sum(i['size'] for i in manifest['items']))}"
              f" in {manifest['calls']} calls; tree now {_mib(tree)} (device limit {_mib(limit)} a call)"]
+    inits: dict[str, list[dict]] = {}
     for item in manifest["items"]:
+        if item["kind"] == "init":  # a previous result: one line per folder
+            folder = item["dest"].split("/")[1]
+            if folder not in inits:
+                inits[folder] = [i for i in manifest["items"] if i["kind"] == "init" and i["dest"].split("/")[1] == folder]
+                name = f"{folder}/ ({len(inits[folder])} files)"
+                lines.append(f"  {'init':<8} {name:<52} {_mib(sum(i['size'] for i in inits[folder])):>10}")
+            continue
         lines.append(f"  {item['kind']:<8} {item['name']:<52} {_mib(item['size']):>10}")
     ok = True
     for k in range(1, manifest["calls"] + 1):
@@ -183,10 +200,15 @@ def plan_text(manifest: dict, payload: Path, repo=REPO, limit: int = DEVICE_LIMI
         ok &= tree + size <= limit
         command = ("bash scripts/gpu/playbook.sh" if last
                    else "python3 scripts/gpu/stage.py unpack")
-        timeout = "540 (the playbook's default budgets: ~7.5 min)" if last else "120"
+        timeout = "540 (the playbook's default budgets: ~8.4 min)" if last else "120"
         lines += [f"call {k}/{manifest['calls']}: carry [\"{rel}/call{k}\"]  ({_mib(size)}; tree + carry "
                   f"{_mib(tree + size)}{'' if tree + size <= limit else ' OVER THE LIMIT'})",
                   f"  command: {command}", f"  timeout_s: {timeout}"]
+        if last:
+            lines.append(f"  or, for a training period (every family, no tests or bench): {TRAIN_COMMAND}")
+    if inits:
+        lines.append(f"the train part starts {', '.join(sorted(inits))} from the previous GPU results carried in this "
+                     "pack")
     lines.append("Make the calls back to back (the machine goes cold ~30 s after a call); if `unpack` reports "
                  "earlier calls' pieces missing, the machine went cold: start again from call 1.")
     return "\n".join(lines), ok
@@ -256,20 +278,67 @@ def drafter_weights(repo=REPO) -> list[tuple[Path, str]]:
     return out
 
 
-def eval_data_archive(dest: Path) -> Path:
-    """The EVAL prompt files the bench and the training's acceptance eval read, as one tar.gz (from
-    `angelspec_hf.prompts.data_dir()`)."""
+def _prompt_archive(dest: Path, files, mode: str, **options) -> Path:
     from angelspec_hf.prompts import data_dir
 
     root = data_dir()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(dest, "w:gz", compresslevel=9) as tar:
-        for rel in EVAL_FILES:
+    tmp = dest.with_name(dest.name + ".tmp")
+    with tarfile.open(tmp, mode, **options) as tar:
+        for rel in files:
             info = tar.gettarinfo(root / rel, arcname=rel)
             info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
             with open(root / rel, "rb") as f:
                 tar.addfile(info, f)
+    tmp.rename(dest)
     return dest
+
+
+def eval_data_archive(dest: Path) -> Path:
+    """The EVAL prompt files the bench and the training's acceptance eval read, as one tar.gz (from
+    `angelspec_hf.prompts.data_dir()`)."""
+    return _prompt_archive(dest, EVAL_FILES, "w:gz", compresslevel=9)
+
+
+def train_prompts_archive(cache: Path, preset: int = 9) -> Path:
+    """The TRAIN prompt files (`TRAIN_FILES`, 24 MiB; xz: 4.4 MiB) as one tar.xz, cached under `cache` by the files'
+    sha256 (xz -9 takes about 30 s)."""
+    from angelspec_hf.prompts import data_dir
+
+    key = hashlib.sha256("".join(sha256_file(data_dir() / rel) for rel in TRAIN_FILES).encode()).hexdigest()[:16]
+    dest = cache / f"train_prompts-{key}-{preset}.tar.xz"
+    if not dest.is_file():
+        _prompt_archive(dest, TRAIN_FILES, "w:xz", preset=preset)
+    return dest
+
+
+def init_sources(folders) -> list[dict]:
+    """The payload items of previous GPU periods' results (folders `stage.py receive` wrote, each with any of
+    `dfly-gpu/`, `dflash-gpu/`, `mtp-gpu/`): for each family, the result with the most GPU periods recorded in its
+    `gpu_training.json` (a tie: the folder named later), every file of it, to `<stage>/init/<family>-gpu/`, where the
+    playbook's train part starts that family from instead of the shipped weights."""
+    folders = [Path(f) for f in ([folders] if isinstance(folders, (str, Path)) else folders)]
+    best: dict[str, tuple[int, Path]] = {}
+    for folder in folders:
+        for family in INIT_FAMILIES:
+            result = folder / f"{family}-gpu"
+            if not ((result / "model.safetensors").is_file() and (result / "config.json").is_file()):
+                continue
+            record = result / "gpu_training.json"
+            periods = len(json.loads(record.read_text())["periods"]) if record.is_file() else 0
+            if family not in best or periods >= best[family][0]:
+                best[family] = (periods, result)
+    if not best:
+        raise StageError(f"--init-from {' '.join(map(str, folders))}: no {', '.join(f + '-gpu/' for f in INIT_FAMILIES)}"
+                         " folder with model.safetensors and config.json in it (give the period folder `stage.py "
+                         "receive` wrote)")
+    sources = []
+    for family in INIT_FAMILIES:
+        if family in best:
+            for path in sorted(p for p in best[family][1].iterdir() if p.is_file()):
+                sources.append({"name": f"init__{family}-gpu__{path.name}", "kind": "init",
+                                "dest": f"init/{family}-gpu/{path.name}", "path": path})
+    return sources
 
 
 def cmd_pack(args) -> int:
@@ -282,8 +351,15 @@ def cmd_pack(args) -> int:
     for wheel in download_wheels(cache / "wheels", args.wheels.split(",") if args.wheels else WHEELS):
         sources.append({"name": wheel.name, "kind": "wheel", "path": wheel})
     sources.append({"name": "eval_data.tar.gz", "kind": "data", "path": eval_data_archive(cache / "eval_data.tar.gz")})
+    sources.append({"name": "train_prompts.tar.xz", "kind": "data", "path": train_prompts_archive(cache)})
     for path, rel in drafter_weights():
         sources.append({"name": rel.replace("/", "__"), "kind": "drafter", "dest": f"drafters/{rel}", "path": path})
+    if args.init_from:
+        init = init_sources(args.init_from)
+        sources += init
+        for family in sorted({s["dest"].split("/")[1] for s in init}):
+            print(f"--init-from: the train part starts {family} from "
+                  f"{Path(next(s['path'] for s in init if s['dest'].split('/')[1] == family)).parent}")
     blob, gguf_sha = packed_gguf(cache)
     sources.append({"name": "target.gguf.pack", "kind": "gguf", "dest": GGUF_FILE, "gguf_sha256": gguf_sha,
                     "path": blob})
@@ -438,6 +514,13 @@ def finalise(manifest: dict, repo: Path, stage: Path, site: Path, pip_python: st
             if not (dest.is_file() and dest.stat().st_size == item["size"] and sha256_file(dest) == item["sha256"]):
                 shutil.copyfile(items[item["name"]], dest)
                 print(f"drafter weights: {item['dest']}")
+        elif item["kind"] == "init":  # a previous GPU period's result, read by the playbook's train part
+            dest = stage / item["dest"]
+            if not (dest.is_file() and dest.stat().st_size == item["size"] and sha256_file(dest) == item["sha256"]):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(items[item["name"]], dest)
+                if dest.name == "model.safetensors":
+                    print(f"previous GPU result: {dest.parent}")
         elif item["kind"] == "data":
             if ready and (stage / "data").is_dir():
                 continue
@@ -509,6 +592,16 @@ def cmd_copy_tree(args) -> int:
     return 0
 
 
+def _results():
+    """`scripts/gpu/results.py`, the training part's results (imported by path: the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_results", Path(__file__).resolve().parent / "results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -517,6 +610,10 @@ def main(argv=None) -> int:
     p.add_argument("--limit-mib", type=float, default=60.0,
                    help="tree + one call's folder stay under this (the device takes 64 MiB a call)")
     p.add_argument("--wheels", default=None, help=f"comma list of packages to carry as wheels (default {WHEELS})")
+    p.add_argument("--init-from", nargs="+", default=None, metavar="FOLDER",
+                   help="previous GPU periods' results (folders `receive` wrote, with dfly-gpu/, dflash-gpu/, "
+                        "mtp-gpu/): the train part starts each family found there from its most trained result "
+                        "instead of the shipped weights, and continues its record of steps and blocks")
     p.set_defaults(func=cmd_pack)
     q = sub.add_parser("plan", help="here: the calls again, the tree measured now")
     q.add_argument("--out", default=PAYLOAD)
@@ -534,10 +631,15 @@ def main(argv=None) -> int:
     c.add_argument("dest")
     c.add_argument("--carry", nargs="*", default=[], help="ignored paths to copy too, as `carry` names them")
     c.set_defaults(func=cmd_copy_tree)
+    r = sub.add_parser("receive", help="here: unpack what the playbook returned (drafters under outputs/), print the "
+                                       "next steps (scripts/gpu/results.py)")
+    results = _results()
+    results.add_receive_arguments(r)
+    r.set_defaults(func=lambda a: results.cmd_receive(a))
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except StageError as error:
+    except (StageError, results.ResultError) as error:
         print(f"stage.py {args.cmd}: {error}")
         return 1
 
