@@ -7,11 +7,11 @@
 #
 # INIT=<drafter folder> continues a trained MTP drafter instead (e.g. the shipped one) with the CPU defaults of
 # scripts/train_release.sh: the target's states stored per sequence as the first epoch reads them and read back later
-# (--feature_mode filling, in STATES, default <OUT>/target-states), the drafter's training forward compiled (in fp32:
-# TorchDynamo cannot trace MTP under bf16 autocast), the target's training forward on a compiled bf16 copy; held-out
-# τ on 12 held-out ShareGPT + Alpaca TRAIN prompts logged before the first step and every 250 steps
-# (`scripts/tau_by_training.py --from-logs`), peak learning rate LR (default 2e-4 when continuing). MAX_SECONDS=N ends a piece after N seconds of training with a
-# checkpoint; rerunning the same command continues it. SHIP=0 leaves drafters/ alone. THREADS (default 1).
+# (--feature_mode filling, in STATES, default <OUT>/target-states), the drafter's training forward compiled (in
+# fp32), the target's training forward on a compiled bf16 copy; held-out τ on 12 held-out ShareGPT + Alpaca TRAIN
+# prompts logged before the first step and every 250 steps (`scripts/tau_by_training.py --from-logs`); peak learning
+# rate LR (default 2e-4 when continuing). MAX_SECONDS=N ends a piece after N seconds of training with a checkpoint;
+# rerunning the same command continues it. SHIP=0 leaves drafters/ alone. THREADS (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-700}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -198,16 +197,8 @@ class DrafterTrainer(Trainer):
     def _training_call(self, model):
         """What a step calls to run the drafter: `model`, or with `--compile_drafter` and in training, `model` compiled
         once (dynamic shapes; accelerate's mixed-precision wrapper is traced with it). The module, its parameters and
-        what `save_model` writes are unchanged; evaluation and the τ eval call the drafter as written. MTP under
-        mixed-precision autocast (`--bf16` / `--fp16`) runs as written (with a warning): TorchDynamo fails to trace
-        its forward inside accelerate's autocast wrapper ("Global autocast state changed while dynamo tracing")."""
+        what `save_model` writes are unchanged; evaluation and the τ eval call the drafter as written."""
         if not (self.args.compile_drafter and model.training):
-            return model
-        if self.args.drafter_type == "mtp" and (self.args.bf16 or self.args.fp16):
-            if not getattr(self, "_warned_compile", False):
-                warnings.warn("--compile_drafter: MTP is not compiled under --bf16/--fp16 autocast (TorchDynamo cannot "
-                              "trace it there); it trains as written. Drop --bf16 to compile it.", stacklevel=2)
-                self._warned_compile = True
             return model
         if self._compiled is None or self._compiled[0] is not model:
             self._compiled = (model, torch.compile(model, dynamic=True))

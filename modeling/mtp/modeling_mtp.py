@@ -102,6 +102,14 @@ class MTPDrafter(DrafterPreTrainedModel):
         """
         if inputs_embeds.dim() == 4:
             return self._unrolled(context_hidden_states, inputs_embeds, lm_head)
+        hidden = self._step(context_hidden_states, inputs_embeds, position_ids, attention_mask, cache)
+        logits = self.head(hidden, lm_head) if lm_head is not None else None
+        return DrafterOutput(last_hidden_state=hidden, logits=logits, cache=cache)
+
+    def _step(self, context_hidden_states, inputs_embeds, position_ids, attention_mask, cache) -> torch.Tensor:
+        """One drafting step's pre-norm output `(batch_size, seq_len, hidden_size)` (`forward`'s arguments). Training's
+        unrolled steps call it directly, not `self(...)`: a forward wrapped once in a mixed-precision context (as
+        accelerate wraps it) must not be re-entered from inside itself, which would leave autocast switched on."""
         batch, seq_len, _ = inputs_embeds.shape
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
@@ -119,8 +127,7 @@ class MTPDrafter(DrafterPreTrainedModel):
             hidden = self.eh_proj(torch.cat([self.hnorm(context_hidden_states), self.enorm(inputs_embeds)], dim=-1))
             for layer in self.layers:
                 hidden = layer(hidden, attention_mask=attention_mask, cache=cache, position_embeddings=position_embeddings)
-        logits = self.head(hidden, lm_head) if lm_head is not None else None
-        return DrafterOutput(last_hidden_state=hidden, logits=logits, cache=cache)
+        return hidden
 
     def _unrolled(self, target_hidden: torch.Tensor, step_embeds: torch.Tensor, lm_head=None) -> DrafterOutput:
         """Training: S chained steps over a whole sequence in one call, attending as drafting does.
@@ -141,7 +148,7 @@ class MTPDrafter(DrafterPreTrainedModel):
             allowed = torch.cat([context_keys] + [own_chain] * j, dim=1)  # [L, (j + 1) L]
             mask = additive_mask(allowed, dtype)
             positions = (index + j).expand(batch, -1)
-            hidden = self(hidden, step_embeds[:, j], positions, mask[None, None], cache=cache).last_hidden_state
+            hidden = self._step(hidden, step_embeds[:, j], positions, mask[None, None], cache)
             outputs.append(hidden)
         stacked = torch.stack(outputs, dim=1)
         return DrafterOutput(last_hidden_state=stacked, logits=self.head(stacked, lm_head) if lm_head else None)
