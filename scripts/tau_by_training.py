@@ -128,8 +128,8 @@ def parse_earlier(spec: str) -> dict:
 
 
 def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = (),
-              compare: list[dict] = ()) -> dict:
-    found = curve(newest_state(run_dir)["log_history"], blocks_before, key)
+              compare: list[dict] = (), goals=(3.0, 4.0)) -> dict:
+    found = curve(newest_state(run_dir)["log_history"], blocks_before, key, goals)
     if found is None:
         raise ValueError(f"{run_dir} logged {key} at fewer than two different block counts: nothing to fit")
     rows, rate = found["rows"], found["blocks_per_second"]
@@ -171,10 +171,13 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
                         help="with --from-logs: another drafter's held-out τ on the same prompts (e.g. the DFlash "
                              "baseline at its blocks seen), drawn apart from the run (not fitted); repeatable")
+    parser.add_argument("--goals", default="3,4", help="with --from-logs: the τ values the fit is extended to "
+                        "(comma-separated; e.g. 2,3 for MTP)")
     args = parser.parse_args(argv)
     if args.from_logs:
         from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key,
-                  [parse_earlier(spec) for spec in args.earlier], [parse_earlier(spec) for spec in args.compare])
+                  [parse_earlier(spec) for spec in args.earlier], [parse_earlier(spec) for spec in args.compare],
+                  tuple(float(goal) for goal in args.goals.split(",")))
         return 0
     if args.plot_only:
         rows = json.loads((Path(args.out) / "tau_by_training.json").read_text())["rows"]

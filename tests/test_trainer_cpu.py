@@ -220,6 +220,8 @@ def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
     compare = [script.parse_earlier("DFlash:300000:0.5")]  # far below the curve and left of it: not fitted either
     third = script.from_logs(run, tmp_path / "out3", blocks_before=1_000_000, earlier=earlier, compare=compare)
     assert third["fit"] == result["fit"] and third["compare"] == compare
+    fourth = script.from_logs(run, tmp_path / "out4", blocks_before=1_000_000, goals=(2.0,))
+    assert list(fourth["goals"]) == ["2.0"] and fourth["goals"]["2.0"]["blocks"] == pytest.approx(math.exp(4.0))
     drawn = [(tmp_path / out / "tau_by_compute.png").read_bytes() for out in ("out2", "out3")]
     assert drawn[0] != drawn[1]
     assert script.blocks_for(3.0, 2.0, -0.1) is None  # a falling fit reaches no goal

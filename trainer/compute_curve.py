@@ -80,7 +80,7 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
     fig.savefig(path, dpi=120)
 
 
-def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_out") -> dict | None:
+def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_out", goals=GOALS) -> dict | None:
     """The run's points, fit, goals (blocks, and hours at the run's median logged `blocks_per_second`) as a dict;
     None when the log holds `key` at fewer than two different block counts."""
     rows = [r for r in rows_from_logs(log_history, key, blocks_before) if r["blocks"] > 0]  # a log axis
@@ -90,7 +90,7 @@ def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_
         return None
     rates = [e["blocks_per_second"] for e in log_history if "blocks_per_second" in e]
     rate = statistics.median(rates) if rates else None
-    goals = {tau: blocks_for(tau, *fit) for tau in GOALS}
+    goals = {tau: blocks_for(tau, *fit) for tau in goals}
     return {"key": key, "blocks_before": blocks_before, "rows": rows,
             "fit": {"a": fit[0], "b": fit[1], "form": "tau = a + b * ln(blocks)"}, "blocks_per_second": rate,
             "goals": {str(t): {"blocks": x, "hours": x / rate / 3600 if x and rate else None}
