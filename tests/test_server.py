@@ -165,6 +165,7 @@ def test_stop_sequence_cuts_the_text_and_frees_the_slot(live):
     ([1, 2], "body"),
     ({"parameters": {"max_new_tokens": 4}}, "inputs"),
     ({"inputs": "", "parameters": {"max_new_tokens": 4}}, "cannot be empty"),
+    ({"inputs": "\x16", "parameters": {"max_new_tokens": 4}}, "it has no tokens"),  # the tokenizer drops it
     ({"inputs": 7}, "inputs"),
     ({"inputs": "Hi", "parameters": {"max_new_tokens": "4"}}, "max_new_tokens"),
     ({"inputs": "Hi", "parameters": {"do_sample": "yes"}}, "do_sample"),

@@ -95,8 +95,8 @@ class TGIServer:
                 raise ValidationError(f"`truncate` must be strictly positive and less than {self.max_input_tokens}."
                                       f" Given: {truncate}")
             ids = ids[-truncate:]
-        if not ids:
-            raise ValidationError("`inputs` cannot be empty")
+        if not ids:  # e.g. only control characters, which the tokenizer drops
+            raise ValidationError("`inputs` cannot be empty: it has no tokens")
         if len(ids) > self.max_input_tokens:
             raise ValidationError(f"`inputs` must have less than {self.max_input_tokens} tokens. Given: {len(ids)}")
         return ids
