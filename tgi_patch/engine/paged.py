@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from angelspec_hf.modeling.drafter_utils import additive_mask
 
 from . import kernels
-from .kernels.reference import AttentionGroup, attention_groups
+from .kernels.reference import AttentionGroup, attention_groups, slot_index
 from .transfer import upload
 
 RAGGED_ATTENTION = "angelspec_ragged"
@@ -173,12 +173,7 @@ class PagedKVPool:
 
     def slot_index(self, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Flat pool indices of `positions` (any shape, first dim = sequences) of `slots`; invalid → dummy slot 0."""
-        table = self.page_table[slots]
-        shape = positions.shape
-        pos = positions.reshape(shape[0], -1).clamp(min=0)
-        pages = table.gather(1, (pos // self.page_size).clamp(max=table.shape[1] - 1))
-        index = (pages * self.page_size + pos % self.page_size).reshape(shape)
-        return torch.where(valid, index, torch.zeros_like(index))
+        return slot_index(self.page_table, self.page_size, slots, positions, valid)
 
 
 @dataclass

@@ -143,6 +143,17 @@ class AttentionGroup:
     mask: torch.Tensor  # additive [rows, 1, n_max, kv_max]
 
 
+def slot_index(page_table, page_size: int, slots, positions, valid):
+    """Flat pool indices of `positions` (any shape, first dim = sequences) of sequences `slots` (rows of
+    `page_table`, pages of `page_size` tokens); invalid positions → the dummy slot 0."""
+    table = page_table[slots]
+    shape = positions.shape
+    pos = positions.reshape(shape[0], -1).clamp(min=0)
+    pages = table.gather(1, (pos // page_size).clamp(max=table.shape[1] - 1))
+    index = (pages * page_size + pos % page_size).reshape(shape)
+    return torch.where(valid, index, torch.zeros_like(index))
+
+
 def attention_groups(page_table, slots, held, new, page_size: int, held_host: list[int], new_host: list[int],
                      dtype) -> list[AttentionGroup]:
     """The sequences of a packed step grouped by `new` rounded up to a power of two (1 | 2 | 3-4 | 5-8 ...: padding
@@ -168,10 +179,7 @@ def attention_groups(page_table, slots, held, new, page_size: int, held_host: li
         n_max = max(new_host[r] for r in rows_host)
         key_pos = torch.arange(kv_max, device=dev)
         key_valid = key_pos[None, :] < (held + new)[rows, None]  # [rows, kv_max]
-        table = page_table[slots[rows]]
-        pages = table.gather(1, (key_pos // page_size).clamp(max=table.shape[1] - 1).expand(len(rows_host), -1))
-        index = pages * page_size + key_pos % page_size
-        gather_index = torch.where(key_valid, index, torch.zeros_like(index))  # invalid keys: the dummy slot 0
+        gather_index = slot_index(page_table, page_size, slots[rows], key_pos.expand(len(rows_host), -1), key_valid)
         query_pos = held[rows, None] + torch.arange(n_max, device=dev)[None, :]
         allowed = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])
         groups.append(AttentionGroup(upload(tokens_host, dev), upload(row_host, dev), upload(col_host, dev),
