@@ -273,3 +273,21 @@ if __name__ == "__main__":
         counts = measure(kind)
         print(f"{kind}: " + "; ".join(str(c.summary()) for c in counts))
         print(counts[-1].table(kind))
+
+
+@pytest.mark.parametrize("kind", ["drafted_greedy", "mtp_greedy"])
+def test_drafters_reading_the_pool_in_place_add_no_reads(monkeypatch, kind):
+    """Where the kernel reads the pools (CUDA), the drafters' attention does too (`PoolCache(in_place=True)`): that
+    path reads nothing more from the device. Counted here with the kernel's reference standing in for it."""
+    from angelspec_hf.tgi_patch.engine import kernels
+    from angelspec_hf.tgi_patch.engine.kernels import reference
+    from angelspec_hf.tgi_patch.engine.kernels import triton_kernels
+    from angelspec_hf.tgi_patch.engine.paged import PoolCache
+    from helpers import count_calls
+
+    monkeypatch.setattr(kernels, "use_paged_attention_kernel", lambda tensor: True)
+    monkeypatch.setattr(triton_kernels, "paged_attention", reference.paged_attention)
+    calls = count_calls(monkeypatch, attend=(PoolCache, "attend"))
+    for count in measure(kind):
+        assert len(count.reads) <= MAX_READS[kind], f"{kind}: {count.summary()}\n{count.table(kind)}"
+    assert calls["attend"] > 0

@@ -85,6 +85,22 @@ def test_head_dims_below_the_tile_and_not_powers_of_two(head_dim):
     _check(args, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_whole_block_attention_matches_reference(name, dtype):
+    """`causal=False` (a drafter's block): every new token sees all its sequence's keys, its block's included."""
+    held, new = CASES[name]
+    args, _ = _case(held, new, 6, 2, 16, dtype, seed=len(name))
+    want = reference.paged_attention(*args, causal=False)
+    got = tk.paged_attention(*args, causal=False)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # and it is not the causal result where a block has more than one token: its first token sees the rest
+    first = args[7][[i for i, n in enumerate(new) if n > 1]]
+    assert first.numel() or name == "decode only"
+    assert first.numel() == 0 or not torch.allclose(got[first].float(), tk.paged_attention(*args)[first].float(), atol=1e-3)
+
+
 def test_default_scaling_pages_of_another_size_and_a_contiguous_query():
     """`scaling=None` is `D ** -0.5`; pages of 8 tokens; a query that is not a view."""
     args, _ = _case([12, 0, 31], [3, 9, 1], 3, 1, 16, torch.float32, seed=3, page_size=8)
@@ -144,19 +160,98 @@ def test_dispatch_takes_the_kernel_when_forced(monkeypatch):
     torch.testing.assert_close(results["1"], results[""], atol=2e-5, rtol=2e-5)
 
 
+def _draft_rounds(drafter, in_place, device, rounds=3, force=False):
+    """Drafts of three sequences in slots taken out of order, over `rounds` calls with ragged new-token counts, by
+    a `BatchDrafter` whose attention reads the pool in place (`in_place=True`) or gathers it; `force`: in place
+    whatever the device (the attention then runs the kernel's reference)."""
+    from angelspec_hf.tgi_patch.engine.drafting import BatchDrafter
+    from angelspec_hf.tgi_patch.engine.paged import DRAFT_POOL_ATTENTION
+
+    target = drafter._test_target
+    batch = BatchDrafter(drafter, target, max_seqs=5, kv_cache_tokens=64)
+    if force:
+        batch.in_place = True
+        drafter.set_attn_implementation(DRAFT_POOL_ATTENTION)
+    assert batch.in_place == in_place
+    if in_place:
+        assert drafter.config._attn_implementation == DRAFT_POOL_ATTENTION
+    g = torch.Generator().manual_seed(0)
+    width = drafter.fc.in_features if hasattr(drafter, "fc") else drafter.config.hidden_size
+    slots_host = [3, 0, 2]
+    slots = torch.tensor(slots_host, device=device)
+    out = []
+    for new_host in ([5, 1, 12], [2, 1, 4], [1, 3, 1])[:rounds]:
+        n_max = max(new_host)
+        features = torch.randn(3, n_max, width, generator=g).to(device)
+        next_ids = torch.randint(3, 99, (3, n_max), generator=g).to(device)
+        anchors = torch.randint(3, 99, (3,), generator=g).to(device)
+        new = torch.tensor(new_host, device=device)
+        select = lambda logits, j: (logits.argmax(-1), torch.softmax(logits.float(), -1),  # noqa: E731
+                                    torch.softmax(logits.float(), -1).amax(-1))
+        tokens, probs, _ = batch.draft(slots, features, next_ids, new, anchors, batch.num_draft_tokens, select,
+                                       slots_host=slots_host, new_host=new_host)
+        out.append((tokens.cpu(), probs.float().cpu()))
+    return out
+
+
+@pytest.mark.parametrize("family", ["dfly", "dflash", "mtp", "mtp_eagle3"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_drafters_read_the_pool_in_place(monkeypatch, family, kernel):
+    """Where the kernel reads the pool, the engine's drafters attend through it too (`PoolCache(in_place=True)`:
+    DFlash/DFly's block over the whole context, MTP's new tokens and chained steps causally): the same drafts and
+    distributions as gathering every sequence's keys, over rounds that add ragged token counts to slots out of order.
+    `kernel=False` runs the in-place path on the reference attention (what checks the path itself on CPU)."""
+    from angelspec_hf.tgi_patch.engine import paged
+    from helpers import count_calls, tiny_drafter, tiny_target
+
+    target = tiny_target().to(DEVICE)
+    drafter = tiny_drafter(family, target).to(DEVICE)
+    drafter._test_target = target
+    monkeypatch.delenv("ANGELSPEC_FORCE_TRITON_ATTENTION", raising=False)
+    gathered = _draft_rounds(drafter, in_place=False, device=DEVICE)
+    calls = count_calls(monkeypatch, attend=(paged.PoolCache, "attend"), kernel=(tk, "paged_attention"))
+    if kernel or DEVICE == "cuda":
+        monkeypatch.setenv("ANGELSPEC_FORCE_TRITON_ATTENTION", "1")
+        in_place = _draft_rounds(drafter, in_place=True, device=DEVICE)
+    else:  # the same path with the kernel's reference computing the attention
+        in_place = _draft_rounds(drafter, in_place=True, device=DEVICE, force=True)
+    layers = drafter.config.num_hidden_layers
+    assert calls["attend"] >= 3 * layers and calls["kernel"] == (calls["attend"] if kernel else 0)
+    for (tokens, probs), (want_tokens, want_probs) in zip(in_place, gathered):
+        torch.testing.assert_close(probs, want_probs, atol=1e-5, rtol=1e-4)
+        assert torch.equal(tokens, want_tokens)
+    # the attention implementation the drafter keeps is SDPA for every other caller: a gathering pool, the hook
+    monkeypatch.delenv("ANGELSPEC_FORCE_TRITON_ATTENTION", raising=False)
+    before = calls["attend"]
+    for (tokens, probs), (want_tokens, want_probs) in zip(_draft_rounds(drafter, in_place=False, device=DEVICE),
+                                                          gathered):
+        torch.testing.assert_close(probs, want_probs, atol=0, rtol=0)
+    assert calls["attend"] == before
+
+
+@pytest.mark.gpu
+def test_drafters_read_the_pool_in_place_on_cuda(monkeypatch):
+    """The check above for every family, natively (the GPU playbook's `pytest -m gpu`)."""
+    assert DEVICE == "cuda"
+    for family in ("dfly", "dflash", "mtp", "mtp_eagle3"):
+        test_drafters_read_the_pool_in_place(monkeypatch, family, kernel=True)
+
+
 def _engine_matches_plain_greedy(monkeypatch, device, prompts, max_new_tokens):
-    """The engine with its target's attention through the kernel (forced here; automatic on CUDA): every packed
-    attention call runs the kernel, never the reference, some of them for decoding rows verifying several tokens
-    (held > 0, new > 1), and the output is the target's own greedy output. Returns the engine."""
+    """The engine with its target's and its drafter's attention through the kernel (forced here; automatic on CUDA):
+    every attention call over a pool runs the kernel, never the reference, some of them for decoding rows verifying
+    several tokens (held > 0, new > 1) and some for the drafter's blocks, and the output is the target's own greedy
+    output. Returns the engine."""
     from angelspec_hf.tgi_patch.engine import generate_batch
     from helpers import count_calls, tiny_drafter, tiny_target
 
     monkeypatch.setenv("ANGELSPEC_FORCE_TRITON_ATTENTION", "1")
     calls = count_calls(monkeypatch, kernel=(tk, "paged_attention"), reference=(reference, "paged_attention"))
-    calls["verifying"], kernel = 0, tk.paged_attention
+    calls["verifying"], calls["block"], kernel = 0, 0, tk.paged_attention
 
     def verifying(*args):  # calls for a step with a sequence that holds keys and adds several (a draft verified)
         calls["verifying"] += any(h > 0 and n > 1 for h, n in zip(args[10], args[11]))
+        calls["block"] += args[13] is False  # the drafter's block (DFly), read in place
         return kernel(*args)
 
     monkeypatch.setattr(tk, "paged_attention", verifying)
@@ -164,7 +259,7 @@ def _engine_matches_plain_greedy(monkeypatch, device, prompts, max_new_tokens):
     drafter = tiny_drafter("dfly", target).to(device)
     outputs, engine = generate_batch(target, drafter, prompts, max_new_tokens=max_new_tokens, verify="full",
                                      return_engine=True)
-    assert calls["kernel"] > 0 and calls["verifying"] > 0 and calls["reference"] == 0
+    assert calls["kernel"] > 0 and calls["verifying"] > 0 and calls["block"] > 0 and calls["reference"] == 0
     for prompt, out in zip(prompts, outputs):
         plain = twin.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=2, pad_token_id=0)

@@ -17,7 +17,8 @@ import torch
 
 from angelspec_hf.modeling.drafter_utils import DrafterPreTrainedModel
 
-from .paged import PagedKVPool, PoolDraftCache, pages_for
+from . import kernels
+from .paged import DRAFT_POOL_ATTENTION, PagedKVPool, PoolDraftCache, pages_for
 
 
 class BatchDrafter:
@@ -33,6 +34,12 @@ class BatchDrafter:
         self.pool = PagedKVPool(c.num_hidden_layers, c.num_key_value_heads, head_dim, drafter.dtype, drafter.device,
                                 max_seqs, num_pages=pages_for(kv_cache_tokens))
         self.num_draft_tokens = drafter.num_draft_tokens
+        # where the kernel reads the pool (CUDA), the drafter's attention does too, instead of gathering every page
+        # (only over SDPA, the drafters' default; the registered function is SDPA for every other call)
+        self.in_place = (kernels.use_paged_attention_kernel(self.pool.k)
+                         and drafter.config._attn_implementation in ("sdpa", DRAFT_POOL_ATTENTION))
+        if self.in_place:
+            drafter.set_attn_implementation(DRAFT_POOL_ATTENTION)
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
@@ -49,6 +56,7 @@ class BatchDrafter:
         context = self.pool.lengths[slots] + new  # what each sequence keeps: its accepted context
         context_host = [self.pool.held[s] + n for s, n in zip(slots_host, new_host)]
         out = self.drafter.draft(features, next_ids, new, anchors, num_tokens, self.embed, self.lm_head, select,
-                                 keep_going, cache=PoolDraftCache(self.pool, slots, slots_host, new, new_host))
+                                 keep_going, cache=PoolDraftCache(self.pool, slots, slots_host, new, new_host,
+                                                                 in_place=self.in_place))
         self.pool.set_lengths(slots_host, context_host, slots, context)  # chained (speculative) entries are dropped
         return out

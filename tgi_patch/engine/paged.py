@@ -14,11 +14,15 @@ Two ways a model reads it:
   new-token count in powers of two (`RaggedStep.groups`), so a prompt prefilled beside decoding requests, or one long
   draft beside short ones, does not pad every sequence of the batch to its length;
 * drafters run **padded** `[B, n_max]` through `PoolCache`, a cache object with the `update()` contract transformers'
-  attention layers call, plus an explicit 4-D mask (drafter batches are small: one block per sequence).
+  attention layers call. Where `kernels.paged_attention` runs its kernel (CUDA), `update()` writes the new keys, and a
+  DFlash block's, into the pool and the drafter's attention (`pool_draft_attention`, registered below) reads the pool
+  through the kernel; elsewhere `update()` returns each sequence's gathered keys, with an explicit 4-D mask (drafter
+  batches are small: one block per sequence).
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +37,7 @@ from .kernels.reference import AttentionGroup, attention_groups, slot_index
 from .transfer import upload
 
 RAGGED_ATTENTION = "angelspec_ragged"
+DRAFT_POOL_ATTENTION = "angelspec_pool_draft"
 
 
 PAGE_SIZE = 16
@@ -303,14 +308,47 @@ AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
 AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
 
 
+# The `PoolCache` whose `update()` a drafter layer has just called in place, the layer and the keys it returned: the
+# layer's attention function (`pool_draft_attention`) takes it from here, since transformers' attention layers hand
+# the cache to `update()` but not to the attention function.
+_ATTENDING: ContextVar[tuple | None] = ContextVar("angelspec_pool_attending", default=None)
+
+
+def pool_draft_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A drafter's attention in the engine where the pool is read through the kernel: the call that follows an
+    in-place `PoolCache.update()` of the same layer (`key` is the tensor that update returned) attends through
+    `PoolCache.attend`; every other call (the batch-1 hook's cache, training) is transformers' SDPA, the drafters'
+    default implementation, unchanged."""
+    pending = _ATTENDING.get()
+    if pending is None or pending[1] != module.layer_idx or pending[2] is not key:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    _ATTENDING.set(None)
+    return pending[0].attend(query, module.layer_idx, scaling), None
+
+
+AttentionInterface.register(DRAFT_POOL_ATTENTION, pool_draft_attention)
+AttentionMaskInterface.register(DRAFT_POOL_ATTENTION, sdpa_mask)
+
+
 class PoolCache:
     """The `cache` a drafter's attention layers call: `update()` writes the first `n_max` new keys/values of each
     sequence (the valid ones, `RaggedStep.new`) into the pool and returns `[held + new ; transient]`, where the
-    trailing `transient` entries (a DFlash block) are attended to but never stored."""
+    trailing `transient` entries (a DFlash block) are attended to but never kept.
 
-    def __init__(self, step: RaggedStep, transient: int = 0):
+    `in_place=True` (where the kernel reads the pool, with the drafter's attention set to `DRAFT_POOL_ATTENTION`):
+    `update()` also writes the transient block into the slots after each sequence's new tokens (pages reserved for it;
+    the next step overwrites them) and returns its inputs, and `attend()` computes the attention from the pool: no
+    copy of any sequence's keys is gathered."""
+
+    def __init__(self, step: RaggedStep, transient: int = 0, in_place: bool = False):
         self.step = step
         self.transient = transient
+        self.in_place = in_place
+        self._block_index = None
+        if in_place and transient:  # [B, transient] slots after each sequence's new tokens
+            ahead = (step.held + step.new)[:, None] + torch.arange(transient, device=step.slots.device)[None, :]
+            self._block_index = step.pool.slot_index(step.slots, ahead, torch.ones_like(ahead, dtype=torch.bool))
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         step, pool = self.step, self.step.pool
@@ -319,11 +357,48 @@ class PoolCache:
         pool.k[layer_idx][flat] = key[:, :, :stored].transpose(1, 2).reshape(len(flat), *key.shape[1:2], key.shape[3])
         pool.v[layer_idx][flat] = value[:, :, :stored].transpose(1, 2).reshape(len(flat), *value.shape[1:2],
                                                                                value.shape[3])
+        if self.in_place:
+            if self.transient:
+                block = self._block_index.reshape(-1)
+                pool.k[layer_idx][block] = key[:, :, stored:].transpose(1, 2).reshape(len(block), *key.shape[1:2],
+                                                                                    key.shape[3]).to(pool.k.dtype)
+                pool.v[layer_idx][block] = value[:, :, stored:].transpose(1, 2).reshape(
+                    len(block), *value.shape[1:2], value.shape[3]).to(pool.v.dtype)
+            _ATTENDING.set((self, layer_idx, key))
+            return key, value
         keys, values = step.gather(layer_idx)
         if self.transient:
             keys = torch.cat([keys, key[:, :, stored:].to(keys.dtype)], dim=2)
             values = torch.cat([values, value[:, :, stored:].to(values.dtype)], dim=2)
         return keys.to(key.dtype), values.to(value.dtype)
+
+    def attend(self, query: torch.Tensor, layer_idx: int, scaling) -> torch.Tensor:
+        """In place: the attention `[B, q, H, D]` of the padded queries `[B, H, q, D]` over the pool, through
+        `kernels.paged_attention` — each sequence's new tokens causally (`q = n_max`; padding rows are zero), or the
+        transient block (`q = transient`) seeing all its sequence's keys and the whole block."""
+        step, pool = self.step, self.step.pool
+        batch, heads, q_len, dim = query.shape
+        dev = query.device
+        packed = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
+        if self.transient:
+            held, new = step.held + step.new, torch.full_like(step.new, self.transient)
+            held_host = [h + n for h, n in zip(step.held_host, step.new_host)]
+            new_host = [self.transient] * batch
+        else:
+            held, new, held_host, new_host = step.held, step.new, step.held_host, step.new_host
+        padded = sum(new_host) < batch * q_len
+        if padded:  # (MTP's first step: sequences adding fewer tokens than the longest) packed back to back
+            index = upload([b * q_len + c for b, n in enumerate(new_host) for c in range(n)], dev)
+            packed = packed[index]
+            starts = upload([sum(new_host[:b]) for b in range(batch)], dev)
+        else:
+            starts = torch.arange(batch, device=dev) * q_len
+        out = kernels.paged_attention(packed, pool.k[layer_idx], pool.v[layer_idx], pool.page_table, step.slots, held,
+                                      new, starts, scaling, pool.page_size, held_host, new_host,
+                                      causal=not self.transient)
+        if padded:  # the padding rows are zero
+            out = out.new_zeros(batch * q_len, heads, dim).index_copy_(0, index, out)
+        return out.view(batch, q_len, heads, dim)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -340,26 +415,34 @@ class PoolDraftCache:
     indices are fixed then), so the caller rolls back whatever drafting should not keep."""
 
     def __init__(self, pool: PagedKVPool, slots: torch.Tensor, slots_host: list[int] | None = None,
-                 new: torch.Tensor | None = None, new_host: list[int] | None = None):
+                 new: torch.Tensor | None = None, new_host: list[int] | None = None, in_place: bool = False):
         self.pool, self.slots = pool, slots
         self.slots_host = slots_host if slots_host is not None else slots.tolist()
         self._known = (new, new_host)  # the counts `new` the caller passes first, and their host values
+        self.in_place = in_place  # the drafter's attention reads the pool (`PoolCache(in_place=True)`)
 
     def prepare(self, num_new: torch.Tensor, block: int, dtype, num_new_host: int | None = None):
         """`(PoolCache, position_ids [B, n_max + block], additive mask)`: causal over each sequence's keys for the
         new tokens; with a `block`, its rows see every valid key and the whole block, which is not stored. The
         counts are read from the device unless they are the `new` given with their host values, or `num_new_host`
-        says every sequence adds that many (a chained MTP step: one each)."""
+        says every sequence adds that many (a chained MTP step: one each). In place, the block's slots are reserved
+        too, and no mask is built (the kernel masks)."""
         if num_new_host is not None:
             new_host = [num_new_host] * len(self.slots_host)
         else:
             new_host = self._known[1] if num_new is self._known[0] else None
+        if self.in_place and block:
+            if new_host is None:
+                new_host = num_new.tolist()
+            self.pool.reserve(self.slots_host, [self.pool.held[s] + n + block for s, n in zip(self.slots_host, new_host)])
         step = RaggedStep.build(self.pool, self.slots, num_new, packed=False, slots_host=self.slots_host,
                                 new_host=new_host)
         step.commit()
-        cache = PoolCache(step, transient=block)
+        cache = PoolCache(step, transient=block, in_place=self.in_place)
         positions = step.query_positions()
-        if not block:
-            return cache, positions, step.causal_mask(dtype)
-        block_positions = (step.held + step.new)[:, None] + torch.arange(block, device=self.slots.device)[None, :]
-        return cache, torch.cat([positions, block_positions], 1), cache.block_mask(block, dtype)
+        if block:
+            block_positions = (step.held + step.new)[:, None] + torch.arange(block, device=self.slots.device)[None, :]
+            positions = torch.cat([positions, block_positions], 1)
+        if self.in_place:
+            return cache, positions, None
+        return cache, positions, step.causal_mask(dtype) if not block else cache.block_mask(block, dtype)

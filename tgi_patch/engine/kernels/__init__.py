@@ -50,16 +50,23 @@ def verify_greedy(logits, positions, draft, depth, depth_host=None):
     return impl(logits, positions, draft, depth, depth_host)
 
 
+def use_paged_attention_kernel(tensor) -> bool:
+    """Whether `paged_attention` runs the kernel for tensors like `tensor` (on CUDA; forced under the interpreter).
+    The drafters' attention reads the pool through it only then; elsewhere their cache gathers as before."""
+    return _use_triton(tensor, force="ANGELSPEC_FORCE_TRITON_ATTENTION")
+
+
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
-                    held_host: list[int], new_host: list[int], groups=None):
-    """Causal attention of a packed ragged batch through the pool's page table (`reference.paged_attention` states
-    the contract): the Triton kernel on CUDA, the reference's gather + SDPA elsewhere. Under the interpreter the
+                    held_host: list[int], new_host: list[int], groups=None, causal: bool = True):
+    """Attention of a packed ragged batch through the pool's page table, causal or over whole blocks
+    (`reference.paged_attention` states the contract): the Triton kernel on CUDA, the reference's gather + SDPA
+    elsewhere. Under the interpreter the
     kernel is forced by its own variable, `ANGELSPEC_FORCE_TRITON_ATTENTION=1` (not by `ANGELSPEC_FORCE_TRITON`):
     interpreted, it costs milliseconds per (sequence, KV head) program in every layer, which would slow every
     forced run of the verification kernels through the engine about tenfold."""
-    if _use_triton(query, force="ANGELSPEC_FORCE_TRITON_ATTENTION"):
+    if use_paged_attention_kernel(query):
         from .triton_kernels import paged_attention as impl
     else:
         impl = reference.paged_attention
     return impl(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size, held_host,
-                new_host, groups)
+                new_host, groups, causal)

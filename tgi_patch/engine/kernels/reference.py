@@ -155,11 +155,11 @@ def slot_index(page_table, page_size: int, slots, positions, valid):
 
 
 def attention_groups(page_table, slots, held, new, page_size: int, held_host: list[int], new_host: list[int],
-                     dtype) -> list[AttentionGroup]:
+                     dtype, causal: bool = True) -> list[AttentionGroup]:
     """The sequences of a packed step grouped by `new` rounded up to a power of two (1 | 2 | 3-4 | 5-8 ...: padding
     within a group stays under 2x), with the pool slots of each sequence's keys (`page_table [S, W]` row `slots[b]`,
-    pages of `page_size`) and the additive causal mask of its new tokens: what `paged_attention` gathers and masks
-    with. `held`, `new` `[B]` on the device, the same as host lists `held_host`, `new_host` (every shape comes from
+    pages of `page_size`) and the additive mask of its new tokens (causal; with `causal=False` each sees all its
+    sequence's keys): what `paged_attention` gathers and masks with. `held`, `new` `[B]` on the device, the same as host lists `held_host`, `new_host` (every shape comes from
     these: nothing is read back)."""
     dev = slots.device
     bucket = [max(n - 1, 0).bit_length() for n in new_host]
@@ -181,14 +181,14 @@ def attention_groups(page_table, slots, held, new, page_size: int, held_host: li
         key_valid = key_pos[None, :] < (held + new)[rows, None]  # [rows, kv_max]
         gather_index = slot_index(page_table, page_size, slots[rows], key_pos.expand(len(rows_host), -1), key_valid)
         query_pos = held[rows, None] + torch.arange(n_max, device=dev)[None, :]
-        allowed = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])
+        allowed = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None] if causal else True)
         groups.append(AttentionGroup(upload(tokens_host, dev), upload(row_host, dev), upload(col_host, dev),
                                      len(rows_host), n_max, gather_index, additive_mask(allowed[:, None], dtype)))
     return groups
 
 
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
-                    held_host: list[int], new_host: list[int], groups=None):
+                    held_host: list[int], new_host: list[int], groups=None, causal: bool = True):
     """Causal attention of a packed ragged batch over a paged KV store, for one layer.
 
     query `[T, H, D]`: the new tokens of sequences `0..B-1` back to back (sequence b's at `starts[b]` onwards, `T =
@@ -197,14 +197,16 @@ def paged_attention(query, key_cache, value_cache, page_table, slots, held, new,
     in slot `page_table[slots[b], p // page_size] * page_size + p % page_size`. Sequence b holds `held[b]` tokens
     before this step and adds `new[b]` (`[B]` int64, on the device; `held_host` / `new_host`: the same on the host):
     its new token c, at position `held[b] + c`, attends to its keys `0 .. held[b] + c`, with logits scaled by
-    `scaling` (None: `D ** -0.5`).
+    `scaling` (None: `D ** -0.5`). With `causal=False` every new token of sequence b attends to all its keys `0 ..
+    held[b] + new[b] - 1` (a drafter's block, denoised at once).
 
     Returns `[T, H, D]` in the query's dtype. This reference gathers each group of sequences' keys/values into a
     padded tensor and runs SDPA with an additive mask (`attention_groups`; `groups`: that list, or a function of the
-    dtype returning it, such as `RaggedStep.groups`, which builds it once per step; built here when None); the
+    dtype returning it, such as `RaggedStep.groups`, which builds it once per step, built with the same `causal`; built
+    here when None); the
     kernel reads the pool through the page table and needs neither `groups` nor a gathered copy."""
     if groups is None:
-        groups = attention_groups(page_table, slots, held, new, page_size, held_host, new_host, query.dtype)
+        groups = attention_groups(page_table, slots, held, new, page_size, held_host, new_host, query.dtype, causal)
     elif callable(groups):
         groups = groups(query.dtype)
     out = torch.empty_like(query)

@@ -11,11 +11,12 @@ that run on CPU and define what these compute. Dispatch is in `kernels/__init__.
   positions, each in one pass over the vocabulary in blocks (argmax, running maximum and sum of exponentials), until
   the first draft that differs from the argmax, and writes the accepted count, the next token, the emitted tokens and
   their log-probabilities: a greedy batch's whole verification in one launch.
-* `paged_attention`: the packed target's causal attention for one layer, one program per (sequence, KV head, tile of
+* `paged_attention`: attention over the paged KV store for one layer — the packed target's causal attention, or a
+  drafter's block that every row of it sees whole (`causal=False`) — one program per (sequence, KV head, tile of
   query rows), a row being one (new token, query head sharing that KV head) pair, so the heads of a GQA group read
   each key block once; keys and values are read straight from the pool through the page table, in blocks of 64 (32
   for fp32 heads wider than 128), with an online softmax in fp32 (no padded copy of the cache). It compiles once per
-  (dtype, query tile of 16 | 32 | 64 rows, head-dim tile): batch, lengths and token counts are runtime values.
+  (dtype, causal or not, query tile of 16 | 32 | 64 rows, head-dim tile): batch, lengths and token counts are runtime values.
 
 Shapes that change from step to step are runtime arguments or rounded up to a power of two, so each kernel compiles
 once per bucket rather than once per step shape: the draft width `K` is a runtime stride (`dcut_select` unrolls over
@@ -282,8 +283,8 @@ def verify_greedy(logits, positions, draft, depth, depth_host: list[int] | None 
                                "stride_table"])
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, slots_ptr, held_ptr, new_ptr, start_ptr,
                             scale_log2, group, head_dim, page_size, stride_qt, stride_qh, stride_kt, stride_kh,
-                            stride_ot, stride_oh, stride_table, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                            stride_ot, stride_oh, stride_table, CAUSAL: tl.constexpr, FP32_DOT: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # program (sequence b, KV head, tile of BLOCK_M query rows); row r of sequence b's `new * group` rows is its new
     # token r // group in query head `kv_head * group + r % group`: the query heads sharing a KV head read its keys once
     b = tl.program_id(0).to(tl.int64)
@@ -302,9 +303,13 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, slots_ptr, he
         d_ok = d < head_dim
         q = tl.load(q_ptr + (start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        query_pos = held + token  # absolute position: it sees keys 0..query_pos of its sequence
-        last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // group, new - 1)
-        end = held + last_token + 1  # keys this tile needs
+        if CAUSAL:
+            query_pos = held + token  # absolute position: it sees keys 0..query_pos of its sequence
+            last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // group, new - 1)
+            end = held + last_token + 1  # keys this tile needs
+        else:  # a block denoised at once: every row sees all its sequence's keys, the block's own included
+            query_pos = held + new - 1 + token * 0
+            end = held + new
         m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -341,7 +346,7 @@ PAGED_ATTENTION_MAX_HEAD_DIM = 256
 
 
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
-                    held_host: list[int], new_host: list[int], groups=None):
+                    held_host: list[int], new_host: list[int], groups=None, causal: bool = True):
     """`reference.paged_attention`'s contract, through the page table (`groups` and `held_host` are not needed;
     `new_host` sizes the grid). Any head_dim up to `PAGED_ATTENTION_MAX_HEAD_DIM` (padded to a power of two, at
     least 16, inside the kernel); query and caches must be contiguous in their last dimension. Raises `ValueError`
@@ -376,6 +381,6 @@ def paged_attention(query, key_cache, value_cache, page_table, slots, held, new,
         starts.contiguous(),
         float(scaling) * 1.4426950408889634, group, head_dim, page_size, query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        FP32_DOT=fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        CAUSAL=bool(causal), FP32_DOT=fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
     )
     return out
