@@ -29,7 +29,8 @@ METHODS = ("ar", "ar_stock", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full
 # `ar_stock`: plain `generate` with the stock `F.linear` kernels where the target's linears are prepacked
 # (`--linear-kernels`, `angelspec_hf.cpu_kernels`): what prepacking gains before any speculation; every other method
 # runs on the same (prepacked) target as `ar`, the reference of every speed-up and of greedy identity.
-# `<family>`: the drafter with its cost-aware draft length (`draft_length="auto"`); `<family>_full`: whole blocks;
+# `<family>`: the drafter with its cost-aware draft length (`draft_length="auto"`); `<family>_full`: whole blocks,
+# cut where the drafter's `draft_stop_threshold` says (the shipped DFly's 0.4; `--draft-stop-threshold 0`: uncut);
 # `<family>+lookup` (also `<label>+lookup` for a drafter of --drafters): each round an n-gram lookup, the drafter's
 # block or a plain step, whichever is expected to give the most tokens per second (`lookup_tokens`)
 LOOKUP = "+lookup"
@@ -98,6 +99,20 @@ def method_kwargs(method: str, drafters: dict) -> dict:
     if method == "dflash_builtin":
         kwargs["speculation_type"] = "dflash"
     return kwargs
+
+
+def set_stop_threshold(drafters: dict, threshold: float | None) -> None:
+    """`--draft-stop-threshold`: give every drafter (the router's too) the same cut of its `_full` drafts (0: whole
+    blocks), so drafters are compared on the same footing; None keeps each drafter's own. Raises `ValueError` outside
+    [0, 1)."""
+    if threshold is None:
+        return
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"--draft-stop-threshold must be in [0, 1), got {threshold}")
+    for label, drafter in drafters.items():
+        for d in drafter.drafters.values() if label == "router" else (drafter,):
+            if hasattr(d, "config"):
+                d.config.draft_stop_threshold = threshold
 
 
 def load_prompt_sets(sets, per_set: int, prompts_file: str | None) -> dict[str, list[str]]:
@@ -332,6 +347,10 @@ def bench_main(args) -> int:
         from angelspec_hf.router import DrafterRouter
 
         drafters["router"] = DrafterRouter({"mtp": drafters["mtp"], "dfly": drafters["dfly"]}, tokenizer)
+    try:
+        set_stop_threshold(drafters, args.draft_stop_threshold)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     kernels = args.kernels_line = use_linear_kernels(args.linear_kernels, target, *drafters.values())
     prompt_sets = load_prompt_sets(args.sets.split(","), args.prompts_per_set, args.prompts)
     if args.concurrency:
@@ -341,7 +360,8 @@ def bench_main(args) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     setting = (f"target {args.target or angelspec_hf.targets.DEFAULT_TARGET}; {args.max_new_tokens} new tokens; "
                f"{args.prompts_per_set} prompts per set; temperatures {temperatures}; "
-               + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given.get(f, 'shipped')} (draft {d.num_draft_tokens})"
+               + ", ".join(f"{f}: {'UNTRAINED' if f in untrained else given.get(f, 'shipped')} (draft {d.num_draft_tokens}"
+                           f", `_full` cut at {getattr(d.config, 'draft_stop_threshold', 0.0) or 0.0:g})"
                            for f, d in drafters.items() if f != "router")
                + f"; {describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU "
                f"threads; linear kernels: {kernels}")
@@ -383,4 +403,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--repeats", type=int, default=1,
                        help="with --concurrency: run every method this many times, interleaved; report medians")
     bench.add_argument("--fixed-depths", default="1,3,7", help="with --concurrency: DFly's fixed-depth baselines")
+    bench.add_argument("--draft-stop-threshold", type=float, default=None,
+                       help="the `_full` methods: end a draft once the product of the drafter's probabilities falls "
+                            "below this, for every drafter (0: whole blocks, to compare drafters alike; default: "
+                            "each drafter's own `draft_stop_threshold`, e.g. 0.4 for the shipped DFly)")
     bench.set_defaults(func=bench_main)

@@ -129,6 +129,27 @@ def test_each_method_sets_its_drafters_whatever_ran_before():
     assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == 0
 
 
+def test_draft_stop_threshold_is_set_for_every_drafter_alike():
+    """`--draft-stop-threshold` gives every drafter, the router's included, the same cut of its `_full` drafts; None
+    keeps each one's own, and a value outside [0, 1) is refused."""
+    from angelspec_hf.bench import set_stop_threshold
+    from angelspec_hf.router import DrafterRouter
+    from helpers import tiny_drafter
+
+    target, tokenizer = tiny_chat_target()
+    drafters = {"dfly": tiny_drafter("dfly", target, draft_stop_threshold=0.4),
+                "dflash": tiny_drafter("dflash", target, draft_stop_threshold=0.02)}
+    drafters["router"] = DrafterRouter({"mtp": tiny_drafter("mtp", target, draft_stop_threshold=0.3),
+                                        "dfly": drafters["dfly"]}, tokenizer)
+    set_stop_threshold(drafters, None)
+    assert [drafters[f].config.draft_stop_threshold for f in ("dfly", "dflash")] == [0.4, 0.02]
+    set_stop_threshold(drafters, 0.0)
+    assert all(d.config.draft_stop_threshold == 0.0 for d in
+               (drafters["dfly"], drafters["dflash"], *drafters["router"].drafters.values()))
+    with pytest.raises(ValueError, match=r"--draft-stop-threshold must be in \[0, 1\), got 1.0"):
+        set_stop_threshold(drafters, 1.0)
+
+
 def test_speedup_interval_is_a_paired_bootstrap_over_prompts():
     """The interval pairs each prompt with AR's run of it: a method exactly twice as fast on every prompt has no spread
     whatever the prompts' lengths, and one that is faster on some prompts and slower on others brackets its total."""
