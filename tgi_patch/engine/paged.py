@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from transformers import AttentionInterface
@@ -331,6 +332,11 @@ AttentionInterface.register(DRAFT_POOL_ATTENTION, pool_draft_attention)
 AttentionMaskInterface.register(DRAFT_POOL_ATTENTION, sdpa_mask)
 
 
+def _token_rows(states: torch.Tensor) -> torch.Tensor:
+    """`[B, Hkv, n, D]` keys or values → `[B · n, Hkv, D]`, one row per token, in the order of a `[B, n]` index."""
+    return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
+
+
 class PoolCache:
     """The `cache` a drafter's attention layers call: `update()` writes the first `n_max` new keys/values of each
     sequence (the valid ones, `RaggedStep.new`) into the pool and returns `[held + new ; transient]`, where the
@@ -354,16 +360,13 @@ class PoolCache:
         step, pool = self.step, self.step.pool
         stored = key.shape[2] - self.transient
         flat = step.write_index.reshape(-1)
-        pool.k[layer_idx][flat] = key[:, :, :stored].transpose(1, 2).reshape(len(flat), *key.shape[1:2], key.shape[3])
-        pool.v[layer_idx][flat] = value[:, :, :stored].transpose(1, 2).reshape(len(flat), *value.shape[1:2],
-                                                                               value.shape[3])
+        pool.k[layer_idx][flat] = _token_rows(key[:, :, :stored])
+        pool.v[layer_idx][flat] = _token_rows(value[:, :, :stored])
         if self.in_place:
             if self.transient:
                 block = self._block_index.reshape(-1)
-                pool.k[layer_idx][block] = key[:, :, stored:].transpose(1, 2).reshape(len(block), *key.shape[1:2],
-                                                                                    key.shape[3]).to(pool.k.dtype)
-                pool.v[layer_idx][block] = value[:, :, stored:].transpose(1, 2).reshape(
-                    len(block), *value.shape[1:2], value.shape[3]).to(pool.v.dtype)
+                pool.k[layer_idx][block] = _token_rows(key[:, :, stored:])
+                pool.v[layer_idx][block] = _token_rows(value[:, :, stored:])
             _ATTENDING.set((self, layer_idx, key))
             return key, value
         keys, values = step.gather(layer_idx)
@@ -390,7 +393,7 @@ class PoolCache:
         if padded:  # (MTP's first step: sequences adding fewer tokens than the longest) packed back to back
             index = upload([b * q_len + c for b, n in enumerate(new_host) for c in range(n)], dev)
             packed = packed[index]
-            starts = upload([sum(new_host[:b]) for b in range(batch)], dev)
+            starts = upload(list(accumulate(new_host[:-1], initial=0)), dev)
         else:
             starts = torch.arange(batch, device=dev) * q_len
         out = kernels.paged_attention(packed, pool.k[layer_idx], pool.v[layer_idx], pool.page_table, step.slots, held,
