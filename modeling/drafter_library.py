@@ -149,6 +149,34 @@ def grow_layers(drafter, num_layers: int) -> None:
         drafter.layer_fusion_weights = nn.Parameter(torch.cat([weights.detach(), extra]))
 
 
+
+@torch.no_grad()
+def grow_ar_head(drafter, width: int) -> None:
+    """Widen DFly's AR head to an inner width of `width` without changing what it computes: the gate and up
+    projections get new rows initialised as usual, the down projection new columns that start at zero, so the new
+    units add nothing until training moves them."""
+    head = getattr(drafter, "ar_head", None)
+    if head is None:
+        raise ValueError(f"{type(drafter).__name__} has no AR head to widen")
+    current = head.down_proj.in_features
+    if width < current:
+        raise ValueError(f"cannot narrow an AR head: it is {current} wide, {width} asked")
+    if width == current:
+        return
+    device, dtype = head.down_proj.weight.device, head.down_proj.weight.dtype
+    for name in ("gate_proj", "up_proj"):
+        old = getattr(head, name)
+        new = nn.Linear(old.in_features, width, bias=False)
+        new.apply(drafter._init_weights)
+        new.weight[:current] = old.weight.to(new.weight.dtype)
+        setattr(head, name, new.to(device=device, dtype=dtype))
+    down = nn.Linear(width, head.down_proj.out_features, bias=False)
+    down.weight.zero_()
+    down.weight[:, :current] = head.down_proj.weight.to(down.weight.dtype)
+    down._zero_init = True
+    head.down_proj = down.to(device=device, dtype=dtype)
+    drafter.config.ar_head_intermediate_size = width
+
 # ---- the code of a Hub folder ---------------------------------------------------------------------------------------
 def save_with_code(drafter, save, save_directory, *args, **kwargs):
     """`save(save_directory, ...)` (`PreTrainedModel.save_pretrained`) with `auto_map` in the config, then the

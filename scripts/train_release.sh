@@ -12,7 +12,8 @@
 # Round 4 continued DFly once more (`FAMILIES=dfly SEED=4 SHIP=0 scripts/train_release.sh 1000 outputs/release4`, not
 # shipped: +3% τ on held-out prompts). Round 5 compared, from round 4's weights, the same 2 layers against 4
 # (`INIT=outputs/release4/dfly [LAYERS=4] FAMILIES=dfly SEED=5 SHIP=0 scripts/train_release.sh 600 <out>`; LAYERS
-# grows the drafter with new layers that start as identities, see `DFlashDrafter.grow_layers`).
+# grows the drafter with new layers that start as identities, see `DFlashDrafter.grow_layers`; AR_WIDTH=N widens
+# DFly's AR head the same way, `DFlyDrafter.grow_ar_head`).
 # FEATURES=<folder> trains on cached target features (`--feature_mode cached`, one folder per family under it, the
 # data order fixed with --dataset_seed 0 so every round's seed reads the same cache): one pass over the 8.5k code +
 # math sequences (12 GB, resumable shard by shard) took about 70 min on 2 threads, then a step costs 1.6 s
@@ -39,8 +40,10 @@
 # on the bf16 target states or the drafter's autocast.
 # MAX_SECONDS=N ends a run after N seconds of training with a checkpoint of its last step; rerunning the same command
 # continues from there, on the same learning-rate schedule (set by STEPS).
-# Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [FEATURES=<folder>] [FAST=1] [BF16=1]
-#        [LR=x] [STATES=<folder>] [THREADS=1] [MAX_SECONDS=N] [SHIP=1] [DEVICE=auto|cpu|cuda]
+# STOP_AT=N ends a run after step N (a checkpoint of it), on the schedule STEPS sets: arms compared at equal steps.
+# Usage: [FAMILIES="dfly dflash"] [SEED=0] [INIT=<drafter folder>] [LAYERS=N] [AR_WIDTH=N] [FEATURES=<folder>]
+#        [FAST=1] [BF16=1] [LR=x] [STATES=<folder>] [THREADS=1] [MAX_SECONDS=N] [STOP_AT=N] [SHIP=1]
+#        [DEVICE=auto|cpu|cuda]
 #        scripts/train_release.sh [STEPS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +53,7 @@ FAMILIES=${FAMILIES:-dfly dflash}
 SEED=${SEED:-0}
 SHIP=${SHIP:-1}
 DEPTH=(); [ -n "${LAYERS:-}" ] && DEPTH=(--num_drafter_layers "$LAYERS")
+[ -n "${AR_WIDTH:-}" ] && DEPTH+=(--ar_head_intermediate_size "$AR_WIDTH")
 THREADS=${THREADS:-1}
 RECIPE=(--num_anchors 64); PEAK_LR=5e-4
 [ "${FAST:-1}" = 1 ] && RECIPE=(--num_anchors 128 --train_sampling_strategy group_by_length
@@ -58,6 +62,7 @@ RECIPE=(--num_anchors 64); PEAK_LR=5e-4
                                  --feature_cache_dir "${STATES:-$OUT/target-states}") && PEAK_LR=5e-5
 LR=${LR:-$PEAK_LR}
 LIMIT=(); [ -n "${MAX_SECONDS:-}" ] && LIMIT=(--max_train_seconds "$MAX_SECONDS")
+[ -n "${STOP_AT:-}" ] && LIMIT+=(--stop_at_step "$STOP_AT")
 mkdir -p "$OUT"
 COMMON=(--per_device_train_batch_size 4 --learning_rate "$LR" --warmup_steps 20 --lr_scheduler_type cosine
         --max_seq_length 384 "${RECIPE[@]}" --resample_anchors true --loss_kind ce+kl "${LIMIT[@]}"

@@ -152,6 +152,29 @@ def test_grown_drafter_drafts_what_it_did_until_trained(tmp_path, target, family
         grown.grow_layers(2)
 
 
+
+def test_widened_ar_head_drafts_what_it_did_until_trained(tmp_path, target):
+    """`grow_ar_head` (warm-starting a wider AR head): same drafts and scores; the new units are real (moving them
+    changes the drafts), the wider head saves and loads as such, and a head cannot be narrowed."""
+    drafter = tiny_drafter("dfly", target)
+    wide = tiny_drafter("dfly", target)
+    narrow = wide.config.ar_head_intermediate_size
+    wide.grow_ar_head(3 * narrow)
+    head = wide.ar_head
+    assert wide.config.ar_head_intermediate_size == head.down_proj.in_features == head.gate_proj.out_features == 3 * narrow
+    assert head.gate_proj.weight[narrow:].any() and not head.down_proj.weight[:, narrow:].any()
+    assert same_drafts(drafter, wide, target)
+    wide.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.ar_head_intermediate_size == 3 * narrow and same_drafts(wide, loaded, target)
+    with torch.no_grad():
+        wide.ar_head.down_proj.weight[:, narrow:].normal_(std=0.5)
+    assert not same_drafts(drafter, wide, target)
+    with pytest.raises(ValueError, match="cannot narrow"):
+        wide.grow_ar_head(narrow)
+    with pytest.raises(ValueError, match="no AR head"):
+        DFlyDrafter.from_target(target, **(FAMILIES["dfly"][1] | {"use_ar_head": False})).grow_ar_head(2 * narrow)
+
 # ---- saving and loading --------------------------------------------------------------------------------------------
 def test_save_load_round_trip(tmp_path, target, family):
     drafter = tiny_drafter(family, target)

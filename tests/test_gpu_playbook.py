@@ -249,6 +249,12 @@ def test_the_record_continues_across_periods():
                               max_steps=20, seed=1, wall_seconds=1)
     assert mtp["periods"][0]["blocks"] == mtp["cumulative"]["blocks"] > 0  # MTP counts its blocks as well
     assert mtp["periods"][0]["stopped"] == "max_steps"
+    assert p["schedule_steps"] == 600  # not fitted: the schedule is max_steps long
+    fitted = dict(state, stateful_callbacks=state["stateful_callbacks"] | {
+        "FittedSchedule": {"attributes": {"steps": 20, "step_seconds": 2.5}}})
+    fit = results.make_record("dfly", fitted, None, init="x", source="final", device="H200", batch=8, anchors=16,
+                              max_steps=600, seed=1, wall_seconds=1)["periods"][0]
+    assert fit["schedule_steps"] == 20 and "fitted to the time budget" in fit["stopped"]
 
 
 def test_step_limit_stops_at_the_step_and_saves():
@@ -380,7 +386,9 @@ def test_the_train_part_trains_three_families_then_resumes_from_the_returned_res
         assert p["tau_held_out"] and p["tau_held_out"][0]["step"] == 0  # held-out τ logged from the start
         assert (first / f"{family}-gpu" / "trainer_state.json").is_file()
     assert records["dflash"]["periods"][0]["equal_budget_with_dfly"] == {"dfly_steps": 2, "matched": True}
-    assert "--stop_at_step 2" in records["dflash"]["periods"][0]["train_args"]
+    assert "--stop_at_step 2 --max_steps 2 --fit_schedule_to_time false" in records["dflash"]["periods"][0]["train_args"]
+    assert records["dflash"]["periods"][0]["schedule_steps"] == records["dfly"]["periods"][0]["schedule_steps"] == 2
+    assert "--fit_schedule_to_time true" in records["dfly"]["periods"][0]["train_args"]
     assert records["dfly"]["periods"][0]["blocks"] > 0 and records["mtp"]["periods"][0]["blocks"] > 0
     assert json.loads((first / "dflash-gpu" / "config.json").read_text()).get("draft_vocab_size") is None
     assert json.loads((first / "mtp-gpu" / "config.json").read_text())["layout"] == "eagle3"

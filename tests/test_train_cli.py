@@ -17,6 +17,7 @@ from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
 from angelspec_hf.trainer.run import main as train_main
 from angelspec_hf.trainer.run import parse_config_overrides
+from angelspec_hf.trainer.schedule import schedule_factor
 from helpers import tiny_chat_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,6 +182,29 @@ def test_mtp_under_bf16_autocast_leaves_autocast_off(tiny, tmp_path):
     assert not torch.is_autocast_enabled("cpu")
 
 
+def test_schedule_fitted_to_time_decays_to_zero_and_a_step_run_of_its_length_matches_it(tiny, tmp_path):
+    """`--fit_schedule_to_time`: the run times its warm-up, stops at the step its budget fits, with the cosine decayed
+    to zero there, the length kept in trainer_state.json; a run given
+    `--max_steps` = that length (no fit) trains on the same rates and, with the same seed and data, the same losses."""
+    fitted_dir, steps_dir = tmp_path / "fitted", tmp_path / "steps"
+    common = ("--warmup_steps", "4", "--lr_scheduler_type", "cosine", "--save_strategy", "no")
+    train_main(cli_args(tiny, fitted_dir, *common, "--max_steps", "100000", "--max_train_seconds", "6",
+                        "--fit_schedule_to_time", "true"))
+    state = json.loads((fitted_dir / "trainer_state.json").read_text())
+    fitted = state["stateful_callbacks"]["FittedSchedule"]["attributes"]["steps"]
+    assert 4 < fitted < 100000 and state["global_step"] <= fitted
+    rates = {h["step"]: h["learning_rate"] for h in state["log_history"] if "learning_rate" in h}
+    if state["global_step"] == fitted:  # stopped by the fit, not by the time limit (a step run long over its plan)
+        # the last step ran at the schedule's last rate before zero (a log entry carries the rate its step used)
+        assert rates[fitted] == pytest.approx(3e-3 * schedule_factor(fitted - 1, 4, fitted, "cosine"), rel=1e-6)
+        assert schedule_factor(fitted, 4, fitted, "cosine") == 0.0
+    train_main(cli_args(tiny, steps_dir, *common, "--max_steps", str(fitted), "--stop_at_step",
+                        str(state["global_step"])))
+    again = json.loads((steps_dir / "trainer_state.json").read_text())
+    assert {h["step"]: h["learning_rate"] for h in again["log_history"] if "learning_rate" in h} == rates
+    assert logged_losses(steps_dir) == logged_losses(fitted_dir)
+
+
 def test_config_overrides_shape_a_fresh_drafter(tiny, tmp_path):
     from angelspec_hf.modeling import DFlyConfig
 
@@ -202,6 +226,18 @@ def test_config_overrides_shape_a_fresh_drafter(tiny, tmp_path):
                         "--num_drafter_layers", "3"))
     deeper = angelspec_hf.load_drafter(str(tmp_path / "deeper"))
     assert deeper.config.num_hidden_layers == 3 and deeper.layers[2].self_attn.o_proj.weight.any()
+    # a fresh DFly takes its AR head's width from the flag; a trained one is widened to it, and the new units train
+    train_main(cli_args(tiny, tmp_path / "head", "--max_steps", "1", "--save_strategy", "no",
+                        "--ar_head_intermediate_size", "24"))
+    train_main(cli_args(tiny, tmp_path / "wider", "--max_steps", "2", "--init_drafter", str(tmp_path / "head"),
+                        "--ar_head_intermediate_size", "40"))
+    assert angelspec_hf.load_drafter(str(tmp_path / "head")).config.ar_head_intermediate_size == 24
+    wider = angelspec_hf.load_drafter(str(tmp_path / "wider"))
+    assert wider.config.ar_head_intermediate_size == 40 and wider.ar_head.down_proj.weight[:, 24:].any()
+    mtp = cli_args(tiny, tmp_path / "mtp", "--max_steps", "1", "--ar_head_intermediate_size", "24")
+    mtp[mtp.index("--drafter_type") + 1] = "mtp"
+    with pytest.raises(ValueError, match="no AR head"):
+        train_main(mtp)
 
 
 ACCELERATE_CPU_CONFIG = """compute_environment: LOCAL_MACHINE

@@ -8,6 +8,7 @@ from transformers import TrainingArguments
 
 from .data import TRAIN_SETS
 from .losses import LOSS_KINDS
+from .schedule import SCHEDULES
 
 DRAFTER_TYPES = ("mtp", "dflash", "dfly")
 RECIPES = {"mtp": ("sharegpt", "alpaca"), "dflash": ("gsm8k", "code_alpaca", "gpteacher_codegen"),
@@ -49,6 +50,11 @@ class DrafterTrainingArguments(TrainingArguments):
     num_drafter_layers: int | None = field(default=None, metadata={"help": "Drafter depth; default: the family's. With "
                                                                         "init_drafter (DFlash, DFly): grow that drafter to this many layers, the new ones "
                                                                         "starting as identities."})
+    ar_head_intermediate_size: int | None = field(
+        default=None, metadata={"help": "DFly: the AR head's inner width; default: the family's (the hidden size). "
+                                        "With init_drafter: widen that drafter's head to it, the new units starting "
+                                        "at zero."}
+    )
     feature_mode: str = field(
         default="online", metadata={"help": "'online': target features computed per batch (no disk); 'filling': "
                                             "computed online the first time a sequence is read and stored in "
@@ -112,6 +118,13 @@ class DrafterTrainingArguments(TrainingArguments):
                                         "state and card are then saved as at max_steps; max_steps still shapes the "
                                         "learning-rate schedule). For runs with a hard time limit."}
     )
+    fit_schedule_to_time: bool = field(
+        default=False, metadata={"help": "With max_train_seconds: time the warm-up steps, then make the learning-rate "
+                                         "schedule (cosine or linear, after warmup_steps >= 4) end at the step that "
+                                         "fits in the time left, and stop there; max_steps is then an upper bound. "
+                                         "The fitted length is kept in trainer_state.json (FittedSchedule); a run "
+                                         "with --max_steps set to it trains on the same rates."}
+    )
     stop_at_step: int | None = field(
         default=None, metadata={"help": "Stop after this optimiser step (the drafter, its state and card are then "
                                         "saved as at max_steps, which still shapes the learning-rate schedule): a "
@@ -129,6 +142,15 @@ class DrafterTrainingArguments(TrainingArguments):
             raise ValueError(f"loss_decay_gamma must be positive, got {self.loss_decay_gamma}")
         if self.max_train_seconds is not None and self.max_train_seconds <= 0:
             raise ValueError(f"max_train_seconds must be positive, got {self.max_train_seconds}")
+        if self.fit_schedule_to_time:
+            if not self.max_train_seconds:
+                raise ValueError("fit_schedule_to_time needs max_train_seconds: the budget the schedule is fitted to")
+            if getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type) not in SCHEDULES:
+                raise ValueError(f"fit_schedule_to_time: lr_scheduler_type must be one of {SCHEDULES}, "
+                                 f"got {self.lr_scheduler_type}")
+            if self.warmup_steps < 4 or self.warmup_steps != int(self.warmup_steps):
+                raise ValueError(f"fit_schedule_to_time times the warm-up: warmup_steps must be a step count >= 4, "
+                                 f"got {self.warmup_steps}")
         if self.stop_at_step is not None and self.stop_at_step < 1:
             raise ValueError(f"stop_at_step must be >= 1, got {self.stop_at_step}")
         if self.mtp_num_steps < 1:

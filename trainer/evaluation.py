@@ -3,6 +3,7 @@ EVAL prompts, and a `TrainerCallback` that logs it during training like any metr
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -101,11 +102,13 @@ class AcceptanceEvalCallback(TrainerCallback):
             sets = sets or DOMAIN_EVAL_SETS[trainer.args.drafter_type]
             self.prompts = {name: load_eval_prompts(name, num_prompts) for name in sets}
         self.last, self.last_step = {}, None
+        self.seconds = 0.0  # how long the last eval took (what a schedule fitted to a time budget plans for)
 
     def _evaluate(self, state):
         self.last_step = state.global_step
         if not state.is_world_process_zero:
             return
+        started = time.monotonic()
         drafter = self.trainer.accelerator.unwrap_model(self.trainer.model)
         self.last = {}
         for name, prompts in self.prompts.items():
@@ -114,6 +117,7 @@ class AcceptanceEvalCallback(TrainerCallback):
         due = self.trainer.control.should_log  # logging clears it: the step's loss, when due, is still logged after
         self.trainer.log(dict(self.last))
         self.trainer.control.should_log = due
+        self.seconds = time.monotonic() - started
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.at_start and state.global_step == 0:  # the starting drafter's τ: the curve's first point

@@ -126,12 +126,20 @@ def build_drafter(margs: ModelArguments, args: DrafterTrainingArguments, target)
             if not hasattr(drafter, "grow_layers"):
                 raise ValueError(f"num_drafter_layers: a {type(drafter).__name__} cannot be deepened after training")
             drafter.grow_layers(args.num_drafter_layers)  # warm start: the deeper drafter computes what it did
+        if args.ar_head_intermediate_size is not None:
+            if not hasattr(drafter, "grow_ar_head"):
+                raise ValueError(f"ar_head_intermediate_size: a {type(drafter).__name__} has no AR head")
+            drafter.grow_ar_head(args.ar_head_intermediate_size)  # the wider head computes what it did
     else:
         overrides = parse_config_overrides(margs.config_overrides, DRAFTERS[args.drafter_type][0])
         if args.target_layer_ids is not None:
             overrides["target_layer_ids"] = args.target_layer_ids
         if args.num_drafter_layers is not None:
             overrides["num_hidden_layers"] = args.num_drafter_layers
+        if args.ar_head_intermediate_size is not None:
+            if args.drafter_type != "dfly":
+                raise ValueError(f"ar_head_intermediate_size: a {args.drafter_type} drafter has no AR head")
+            overrides["ar_head_intermediate_size"] = args.ar_head_intermediate_size
         if args.drafter_type == "mtp":
             overrides["num_draft_tokens"] = args.mtp_num_steps
         else:
@@ -184,6 +192,8 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
                                           held_out=args.eval_prompts_from == "held_out",
                                           regenerated_dir=args.regenerated_dir)
         trainer.add_callback(callback)
+        if trainer.fitted_schedule is not None:  # the evals due before the fitted end take their share of the time
+            trainer.fitted_schedule.eval_seconds = lambda: callback.seconds
     resume = args.resume_from_checkpoint
     if margs.resume and Path(args.output_dir).is_dir():
         resume = last_complete_checkpoint(args.output_dir)

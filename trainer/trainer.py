@@ -20,6 +20,7 @@ from .block_attention import block_training_attention
 from .features import StatesStore, target_states
 from .losses import block_diffusion_loss, mtp_unrolled_loss, sample_anchors
 from .model_card import write_model_card
+from .schedule import FittedSchedule, schedule_factor
 
 
 def _gather_rows(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
@@ -170,6 +171,29 @@ class DrafterTrainer(Trainer):
         # blocks the starting drafter had seen (its config's `training_blocks`, which `_save` keeps cumulative)
         self.blocks_before = int(getattr(self._drafter.config, "training_blocks", None) or 0)
         self._last_log = None  # (time, blocks) at the previous log
+        self.fitted_schedule = None
+        if self.args.fit_schedule_to_time:
+            self.fitted_schedule = FittedSchedule(self.args.max_train_seconds, int(self.args.warmup_steps),
+                                                  int(self.args.eval_steps or 0) or None)
+            if self.accelerator.num_processes > 1:
+                from accelerate.utils import broadcast_object_list
+
+                self.fitted_schedule.agree = lambda steps: broadcast_object_list([steps], from_process=0)[0]
+            self.add_callback(self.fitted_schedule)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """transformers' scheduler; with `--fit_schedule_to_time`, the same schedule whose length is the step the
+        time budget allows (`trainer/schedule.py`), `max_steps` until the warm-up's steps have been timed."""
+        if self.fitted_schedule is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        fitted, warmup = self.fitted_schedule, int(self.args.warmup_steps)
+        kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        schedule_factor(0, warmup, num_training_steps, kind)  # an unsupported schedule fails here, not mid-run
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer or self.optimizer, lambda step: schedule_factor(step, warmup, fitted.steps or num_training_steps,
+                                                                      kind))
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset

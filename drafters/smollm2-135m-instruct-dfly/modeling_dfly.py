@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from .modeling_dflash import DFlashDrafter
+from .drafter_utils import library
 from .configuration_dfly import DFlyConfig
 
 
@@ -67,6 +68,11 @@ class DFlyDrafter(DFlashDrafter):
         mix = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(per_layer.dtype)  # [L, T]
         fused = torch.einsum("bnth,lt->lbnh", per_layer, mix)
         return [self.hidden_norm(shared + fused[i]) for i in range(len(self.layers))]
+
+    def grow_ar_head(self, width: int) -> None:
+        """*library*: widen the AR head's inner projection to `width` without changing what it computes (warm
+        starts)."""
+        library("drafter_library").grow_ar_head(self, width)
 
     def bind_embeddings(self, embed_tokens: nn.Module) -> None:
         """Training: give the AR head the target's (frozen) embedding table; it is not stored in the drafter."""

@@ -221,7 +221,8 @@ if wanted train; then
   fi
   # the CPU recipes (scripts/train_release.sh, scripts/train_mtp_eagle3.sh): batch 4, 384 tokens, 64/128 anchors
   COMMON=(--device "$DEVICE" --dtype bf16 --bf16 true --feature_mode online --loss_kind ce+kl
-          --learning_rate "$TRAIN_LR" --warmup_steps 20 --lr_scheduler_type cosine --save_total_limit 1
+          --learning_rate "$TRAIN_LR" --warmup_steps 20 --lr_scheduler_type cosine --fit_schedule_to_time true
+          --save_total_limit 1
           --report_to none --dataloader_num_workers 0 --seed "$seed" --eval_prompts_from held_out
           --draft_vocab_from drafters/smollm2-135m-instruct-dfly "${SIZE[@]}")
   # shellcheck disable=SC2206
@@ -241,15 +242,18 @@ if wanted train; then
     run_dir=$WORK/train/$fam; ship_dir=$WORK/train/ship/$fam-gpu
     # shellcheck disable=SC2206
     OWN=(${PLAYBOOK_TRAIN_ARGS_DFLY:-})  # DFlash trains with DFly's flags: the same recipe, for a fair comparison
-    match=(); anchors=$ANCHORS
+    match=(); anchors=$ANCHORS; schedule=$STEPS
     case $fam in
       dfly) FAMILY_ARGS=(--train_sets "${BLOCK_SETS[@]}" --num_anchors "$ANCHORS" --resample_anchors true) ;;
       dflash)
         FAMILY_ARGS=(--train_sets "${BLOCK_SETS[@]}" --num_anchors "$ANCHORS" --resample_anchors true)
         if [ -f "$WORK/train/ship/dfly-gpu/gpu_training.json" ]; then
           dfly_steps=$($PY "${RESULTS[@]}" steps "$WORK/train/ship/dfly-gpu")
-          match=(--stop_at_step "$dfly_steps")
-          log "train dflash: at equal budget with this run's DFly: the same data, batch, anchors, seed and schedule, stopped at its step $dfly_steps"
+          schedule=$($PY "${RESULTS[@]}" schedule-steps "$WORK/train/ship/dfly-gpu")
+          # DFly's schedule, as a step schedule of the length its time budget gave it: the same rate at every step
+          match=(--stop_at_step "$dfly_steps" --max_steps "$schedule" --fit_schedule_to_time false)
+          log "train dflash: at equal budget with this run's DFly: the same data, batch, anchors, seed and schedule" \
+              "($schedule steps), stopped at its step $dfly_steps"
         else
           log "train dflash: no DFly result in this run: trained for its time share, not an equal-budget comparison"
         fi
@@ -276,7 +280,7 @@ if wanted train; then
     fi
     $PY "${RESULTS[@]}" record "$fam" --run-dir "$run_dir" --ship-dir "$ship_dir" --init "$init" \
       --init-label "$init_label" --device "$device_name" --batch "$BATCH" ${anchors:+--anchors "$anchors"} \
-      --max-steps "$STEPS" --seed "$seed" ${match[1]:+--stop-at-step "${match[1]}"} \
+      --max-steps "$schedule" --seed "$seed" ${match[1]:+--stop-at-step "${match[1]}"} \
       --wall-seconds "$((SECONDS - fam_start))" \
       --train-args "${COMMON[*]} ${FAMILY_ARGS[*]} ${match[*]} ${EXTRA[*]} ${OWN[*]}" 2>&1 | tee -a "$LOG"
     # every family shipped so far, rewritten after each: a call cut short still returns the finished ones

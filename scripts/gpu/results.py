@@ -5,6 +5,7 @@ On the machine (`scripts/gpu/playbook.sh` calls these; stdlib only):
     python3 scripts/gpu/results.py source RUN_DIR          # the run's final drafter, else its last complete checkpoint
     python3 scripts/gpu/results.py period INIT_DIR dfly dflash mtp   # this run's period: 1 + the most recorded before
     python3 scripts/gpu/results.py steps SHIPPED_DIR       # the steps the period's run of a shipped folder made
+    python3 scripts/gpu/results.py schedule-steps SHIPPED_DIR   # its learning-rate schedule's length (DFlash's)
     python3 scripts/gpu/results.py record FAMILY ...       # `gpu_training.json` beside a shipped folder (below)
     python3 scripts/gpu/results.py pack-out SHIP_ROOT OUT  # every shipped folder, one tar.gz in pieces under OUT
 
@@ -104,6 +105,12 @@ def blocks_seen(state: dict) -> int:
     return max((int(e["blocks"]) for e in state.get("log_history", []) if "blocks" in e), default=0)
 
 
+def schedule_steps(state: dict) -> int | None:
+    """The learning-rate schedule's length a run fitted to its time budget (`--fit_schedule_to_time`), if it did."""
+    saved = state.get("stateful_callbacks", {}).get("FittedSchedule")
+    return int(saved["attributes"]["steps"]) if saved and saved["attributes"].get("steps") else None
+
+
 def make_record(family: str, state: dict, previous: dict | None, *, init: str, source: str, device: str, batch: int,
                 anchors: int | None, max_steps: int, seed: int, wall_seconds: float, stop_at_step: int | None = None,
                 train_args: str = "") -> dict:
@@ -116,6 +123,8 @@ def make_record(family: str, state: dict, previous: dict | None, *, init: str, s
         stopped = f"killed at its time budget: the last checkpoint ({source}) shipped"
     elif stop_at_step and steps >= stop_at_step:
         stopped = f"stop_at_step {stop_at_step}"
+    elif schedule_steps(state) and steps >= schedule_steps(state):
+        stopped = f"the end of its schedule, fitted to the time budget (step {schedule_steps(state)})"
     elif steps >= max_steps:
         stopped = "max_steps"
     else:
@@ -125,7 +134,8 @@ def make_record(family: str, state: dict, previous: dict | None, *, init: str, s
     period = {
         "period": len(previous["periods"]) + 1 if previous else 1, "device": device,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "init": init, "seed": seed,
-        "steps": steps, "max_steps": max_steps, "batch": batch, "anchors": anchors,
+        "steps": steps, "max_steps": max_steps, "schedule_steps": schedule_steps(state) or max_steps,
+        "batch": batch, "anchors": anchors,
         "sequences": steps * batch, "blocks": blocks,
         "nominal_blocks": steps * batch * anchors if anchors else None,
         "train_seconds": round(runtime, 1) if runtime is not None else None, "wall_seconds": round(wall_seconds),
@@ -390,6 +400,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("steps", help="the steps of the last period recorded in a shipped folder")
     p.add_argument("ship_dir")
     p.set_defaults(func=lambda a: print(read_record(a.ship_dir)["periods"][-1]["steps"]) or 0)
+    p = sub.add_parser("schedule-steps", help="the length of the learning-rate schedule of the last period recorded "
+                                              "in a shipped folder (fitted to its time budget, else max_steps)")
+    p.add_argument("ship_dir")
+    p.set_defaults(func=lambda a: print(read_record(a.ship_dir)["periods"][-1]["schedule_steps"]) or 0)
     p = sub.add_parser("record", help=f"write {RECORD} into a shipped folder")
     p.add_argument("family", choices=FAMILIES)
     p.add_argument("--run-dir", required=True)
