@@ -188,7 +188,7 @@ class DrafterTrainer(Trainer):
             return super().create_scheduler(num_training_steps, optimizer)
         fitted, warmup = self.fitted_schedule, int(self.args.warmup_steps)
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
-        schedule_factor(0, warmup, num_training_steps, kind)  # an unsupported schedule fails here, not mid-run
+        schedule_factor(warmup, warmup, num_training_steps, kind)  # an unsupported schedule fails here, not mid-run
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer or self.optimizer, lambda step: schedule_factor(step, warmup, fitted.steps or num_training_steps,
                                                                       kind))
