@@ -171,7 +171,8 @@ def summary_line(record: dict) -> str:
         e = p["equal_budget_with_dfly"]
         equal = ("; at equal budget with DFly" if e["matched"] else
                  f"; NOT at equal budget: DFly made {e['dfly_steps']} steps, this run {p['steps']}")
-    return (f"{record['family']}: GPU period {p['period']} ({p['device']}): {p['steps']} steps of {p['batch']}"
+    schedule = f" (a schedule of {p['schedule_steps']})" if p.get("schedule_steps") else ""
+    return (f"{record['family']}: GPU period {p['period']} ({p['device']}): {p['steps']} steps{schedule} of {p['batch']}"
             f"{blocks}, {p['train_seconds']} s of training, stopped by {p['stopped']}; {tau}{loss}{equal}; "
             f"all GPU periods: {c['steps']} steps{cum_blocks}")
 
