@@ -149,7 +149,6 @@ def grow_layers(drafter, num_layers: int) -> None:
         drafter.layer_fusion_weights = nn.Parameter(torch.cat([weights.detach(), extra]))
 
 
-
 @torch.no_grad()
 def grow_ar_head(drafter, width: int) -> None:
     """Widen DFly's AR head to an inner width of `width` without changing what it computes: the gate and up
@@ -176,6 +175,7 @@ def grow_ar_head(drafter, width: int) -> None:
     down._zero_init = True
     head.down_proj = down.to(device=device, dtype=dtype)
     drafter.config.ar_head_intermediate_size = width
+
 
 # ---- the code of a Hub folder ---------------------------------------------------------------------------------------
 def save_with_code(drafter, save, save_directory, *args, **kwargs):

@@ -46,7 +46,7 @@ def fit_steps(step: int, step_seconds: float, remaining: float, eval_seconds: fl
     """The last step of a schedule at `step`, with `remaining` seconds of budget, steps of `step_seconds` and an
     eval of `eval_seconds` every `eval_every` steps: the most steps whose time fits in `MARGIN` of what remains,
     between step + 1 and `max_steps`."""
-    budget = MARGIN * remaining
+    budget, step_seconds = MARGIN * remaining, max(step_seconds, 1e-9)
     steps = min(step + int(budget // step_seconds), max_steps)
     while steps > step + 1 and (steps - step) * step_seconds + eval_seconds * evals_between(step, steps, eval_every) > budget:
         steps -= 1  # the evals on the way take their share
