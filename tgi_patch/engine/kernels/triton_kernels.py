@@ -17,6 +17,12 @@ that run on CPU and define what these compute. Dispatch is in `kernels/__init__.
   each key block once; keys and values are read straight from the pool through the page table, in blocks of 64 (32
   for fp32 heads wider than 128), with an online softmax in fp32 (no padded copy of the cache). It compiles once per
   (dtype, causal or not, query tile of 16 | 32 | 64 rows, head-dim tile): batch, lengths and token counts are runtime values.
+  On a GPU whose blocks get less shared memory than a tile needs (99 KiB on sm_86 / sm_89, where fp32 tiles of
+  128-wide heads need up to 113 KiB) the launch fails before it runs and the next smaller tile is taken, once per
+  shape (`paged_attention_tiles`).
+
+`scripts/gpu/compile_kernels.py` compiles every kernel for a GPU architecture without a GPU, through these wrappers,
+and checks each against the shared memory a block may have (`tests/test_kernel_compile.py`: sm_90 and sm_86).
 
 Shapes that change from step to step are runtime arguments or rounded up to a power of two, so each kernel compiles
 once per bucket rather than once per step shape: the draft width `K` is a runtime stride (`dcut_select` unrolls over
@@ -29,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 
 @triton.jit
@@ -343,6 +350,23 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, slots_ptr, he
 
 
 PAGED_ATTENTION_MAX_HEAD_DIM = 256
+_ATTENTION_TILES: dict = {}  # (device, dtype, head-dim tile, causal, preferred rows tile) -> the tiles that launched
+
+
+def paged_attention_tiles(dtype, head_dim: int, rows: int) -> list[tuple[int, int]]:
+    """(query rows, keys) tiles for `rows` query rows of `head_dim`, in the order `paged_attention` tries them: the
+    fastest first (rows: 16, 32 or 64 by the step's rows; keys: 64, or 32 for fp32 heads wider than 128), then ever
+    smaller ones. A tile needing more shared memory than one block may have on the GPU (fp32 tiles of wide heads on
+    GPUs with 99 KiB a block, such as sm_86 / sm_89) fails before it launches, and the next is tried; the tiles that
+    launched are kept per (device, dtype, head-dim tile, causal, rows tile), so a shape pays the fallback once."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if dtype == torch.float32 and block_d > 128 else 64
+    tiles = [(block_m, block_n)]
+    while tiles[-1] != (16, 16):
+        m, n = tiles[-1]
+        tiles.append((m, n // 2) if n > 32 or m == 16 else (m // 2, n))
+    return tiles
 
 
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
@@ -371,16 +395,25 @@ def paged_attention(query, key_cache, value_cache, page_table, slots, held, new,
         scaling = head_dim ** -0.5
     # query tiles sized to the longest sequence's rows (new tokens × query heads per KV head), in powers of two
     rows = max(new_host) * group
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    fp32 = query.dtype == torch.float32
-    block_n = 32 if fp32 and block_d > 128 else 64  # (fp32 tiles of a wide head would need > 164 KiB shared memory)
-    grid = (len(new_host), num_kv_heads, triton.cdiv(rows, block_m))
-    _paged_attention_kernel[grid](
-        query, key_cache, value_cache, out, page_table, slots.contiguous(), held.contiguous(), new.contiguous(),
-        starts.contiguous(),
-        float(scaling) * 1.4426950408889634, group, head_dim, page_size, query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        CAUSAL=bool(causal), FP32_DOT=fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-    )
+    key = (query.device, query.dtype, block_d, bool(causal), min(64, max(16, triton.next_power_of_2(rows))))
+    tiles = _ATTENTION_TILES.get(key)
+    for block_m, block_n in [tiles] if tiles else paged_attention_tiles(query.dtype, head_dim, rows):
+        grid = (len(new_host), num_kv_heads, triton.cdiv(rows, block_m))
+        try:
+            _paged_attention_kernel[grid](
+                query, key_cache, value_cache, out, page_table, slots.contiguous(), held.contiguous(),
+                new.contiguous(), starts.contiguous(),
+                float(scaling) * 1.4426950408889634, group, head_dim, page_size, query.stride(0), query.stride(1),
+                key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
+                CAUSAL=bool(causal), FP32_DOT=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_D=block_d,
+            )
+        except OutOfResources:  # raised before the launch: more shared memory than a block may have on this GPU
+            continue
+        _ATTENTION_TILES[key] = (block_m, block_n)
+        break
+    else:
+        raise ValueError(f"paged attention: no tile of {query.dtype} queries with head_dim {head_dim} fits this GPU's "
+                         "shared memory")
     return out
