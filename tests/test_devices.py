@@ -13,6 +13,7 @@ import angelspec_hf
 from angelspec_hf import bench, cli, draft_vocab
 from angelspec_hf.cpu_kernels import use_linear_kernels
 from angelspec_hf.devices import DeviceError, resolve_device, resolve_dtype
+from angelspec_hf.identity import IdentityJudge
 from angelspec_hf.shipped import drafter_for_target, shipped_or_untrained, untrained_drafter
 from angelspec_hf.tgi_patch.engine import generate_batch
 from angelspec_hf.trainer import run as train_run
@@ -183,9 +184,16 @@ DEVICE_DTYPES = [pytest.param("cpu", dtype, id=f"cpu-{dtype}") for dtype in ("fl
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_greedy_identity_per_device_and_dtype(device, dtype):
     """Speculative == plain greedy decoding with the target and drafters on `device` in `dtype`: `generate()` with
-    every family, and the batched engine (inputs built by the library, on the models' device)."""
+    every family, and the batched engine (inputs built by the library, on the models' device). Exact in fp32; in bf16
+    up to precision ties (`identity.py`: a verification forward may round a near-tie the other way)."""
     device, dtype = resolve_device(device), resolve_dtype(dtype, device)
     target = tiny_target().to(device, dtype)
+    judge = IdentityJudge(target)
+
+    def same(prompt, reference, other):
+        verdict = judge(list(prompt), list(reference), list(other))
+        return verdict["identical"] or verdict["tie"] if dtype != torch.float32 else verdict["identical"]
+
     ids = torch.randint(3, 99, (1, 9), generator=torch.Generator().manual_seed(0)).to(device)
     plain = target.generate(ids, max_new_tokens=16, do_sample=False)
     prompts = [[5, 7, 9], [11, 4, 3, 8, 20], [30] * 7]
@@ -193,5 +201,7 @@ def test_greedy_identity_per_device_and_dtype(device, dtype):
     for family in ("mtp", "dflash", "dfly"):
         drafter = tiny_drafter(family, tiny_target()).to(device, dtype)
         spec = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter)
-        assert spec.device == ids.device and torch.equal(spec, plain), family
-        assert generate_batch(target, drafter, prompts, max_new_tokens=12, verify="full") == plain_batch, family
+        assert spec.device == ids.device, family
+        assert same(ids[0].tolist(), plain[0, 9:].tolist(), spec[0, 9:].tolist()), family
+        batch = generate_batch(target, drafter, prompts, max_new_tokens=12, verify="full")
+        assert all(same(p, a, b) for p, a, b in zip(prompts, plain_batch, batch)), family
