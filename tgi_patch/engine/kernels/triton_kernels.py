@@ -353,16 +353,20 @@ PAGED_ATTENTION_MAX_HEAD_DIM = 256
 _ATTENTION_TILES: dict = {}  # (device, dtype, head-dim tile, causal, preferred rows tile) -> the tiles that launched
 
 
+def _rows_tile(rows: int) -> int:
+    """The query tile a step of `rows` query rows prefers: 16, 32 or 64 rows."""
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
 def paged_attention_tiles(dtype, head_dim: int, rows: int) -> list[tuple[int, int]]:
     """(query rows, keys) tiles for `rows` query rows of `head_dim`, in the order `paged_attention` tries them: the
     fastest first (rows: 16, 32 or 64 by the step's rows; keys: 64, or 32 for fp32 heads wider than 128), then ever
     smaller ones. A tile needing more shared memory than one block may have on the GPU (fp32 tiles of wide heads on
     GPUs with 99 KiB a block, such as sm_86 / sm_89) fails before it launches, and the next is tried; the tiles that
     launched are kept per (device, dtype, head-dim tile, causal, rows tile), so a shape pays the fallback once."""
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if dtype == torch.float32 and block_d > 128 else 64
-    tiles = [(block_m, block_n)]
+    tiles = [(_rows_tile(rows), block_n)]
     while tiles[-1] != (16, 16):
         m, n = tiles[-1]
         tiles.append((m, n // 2) if n > 32 or m == 16 else (m // 2, n))
@@ -396,7 +400,7 @@ def paged_attention(query, key_cache, value_cache, page_table, slots, held, new,
     # query tiles sized to the longest sequence's rows (new tokens × query heads per KV head), in powers of two
     rows = max(new_host) * group
     block_d = max(16, triton.next_power_of_2(head_dim))
-    key = (query.device, query.dtype, block_d, bool(causal), min(64, max(16, triton.next_power_of_2(rows))))
+    key = (query.device, query.dtype, block_d, bool(causal), _rows_tile(rows))
     tiles = _ATTENTION_TILES.get(key)
     for block_m, block_n in [tiles] if tiles else paged_attention_tiles(query.dtype, head_dim, rows):
         grid = (len(new_host), num_kv_heads, triton.cdiv(rows, block_m))
