@@ -21,7 +21,7 @@ import torch
 
 from angelspec_hf.cpu_kernels import add_linear_kernels_argument, stock_linears, use_linear_kernels
 from angelspec_hf.devices import add_device_arguments, describe_device
-from angelspec_hf.identity import IdentityJudge
+from angelspec_hf.identity import IdentityJudge, identity_label
 from angelspec_hf.policy import clock
 from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
@@ -284,8 +284,8 @@ def write_outputs(records, rows, out_dir, meta: dict) -> dict[str, Path]:
              "| greedy identical | round: draft + forward + rest (AR steps) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["set"], r["temperature"], method_order(r["method"]))):
-        same = "—" if r["identical"] is None else ("yes" if r["identical"] else
-                                                   f"ties only ({r['ties']})" if not r["divergent"] else "**NO**")
+        same = "—" if r["identical"] is None else identity_label(r["identical"], r["ties"], r["divergent"]).replace(
+            "NO", "**NO**")
         split = f"{r['round_draft']:.2f} + {r['round_verify']:.2f} + {r['round_overhead']:.2f}"
         lo, hi = r["speedup_ci95"]
         lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} | {r['prompts']} | {r['tau']:.2f} | "

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from angelspec_hf.devices import describe_device
+from angelspec_hf import identity
 from angelspec_hf.identity import IdentityJudge
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
 from angelspec_hf.policy import clock
@@ -144,10 +145,8 @@ def _summarise(concurrency: int, method: str, requests: int, runs: list[dict]) -
 
 
 def identity_label(record: dict) -> str:
-    """`yes`, `ties only (n)` (parted from plain at n precision ties, none elsewhere: see `identity.py`) or `NO`."""
-    if record["identical"]:
-        return "yes"
-    return f"ties only ({len(record['ties'])})" if not record["divergent"] else "NO"
+    """`identity.identity_label` of a record, whose `ties` and `divergent` list the requests that parted."""
+    return identity.identity_label(record["identical"], len(record["ties"]), len(record["divergent"]))
 
 
 def write_concurrency_outputs(records, out_dir, setting: str) -> dict[str, Path]:

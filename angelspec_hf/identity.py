@@ -37,6 +37,14 @@ def first_divergence(reference: list[int], other: list[int]) -> int | None:
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
+def identity_label(identical: bool, ties: int, divergent: int) -> str:
+    """How the benches show a method's greedy outputs against plain decoding's: `yes`, `ties only (n)` (parted at n
+    precision ties, nowhere else) or `NO`."""
+    if identical:
+        return "yes"
+    return f"ties only ({ties})" if not divergent else "NO"
+
+
 class IdentityJudge:
     """`judge(prompt, reference, other)` for greedy outputs (token lists, new tokens only) of `target`: a dict with
     `identical` (token for token), `tie` (parted only at a precision tie), and at a divergence its `position`, the two
