@@ -19,6 +19,15 @@ Numerics: the two libraries sum in different orders, so logits differ in the las
 and a greedy near-tie can, rarely, resolve differently. A packed target is the target whose own greedy output
 speculative decoding reproduces token for token: compare speculative and plain decoding on the same model, packed or
 not, as `angelspec bench` does (its `ar_stock` method times plain decoding with the stock kernels beside it).
+
+A second library does the same for multi-token forwards only: MKL's packed GEMM (`torch.ops.mkl._mkl_reorder_linear_weight`
+/ `_mkl_linear`, `cblas_sgemm_pack` / `_compute`, what `torch.compile` freezing uses for fp32 linears where MKL is
+present). A weight is packed for one row count (`MKL_ROWS`); a forward of `MKL_MIN_ROWS` to `MKL_ROWS` rows is padded
+with zero rows to it, every other forward (the plain decode step, the prefill) takes the stock `F.linear`. On a Xeon
+where the oneDNN copy made the plain step slower, this keeps the plain step as it was and makes a verify of 6-12
+tokens cost the same as one of 6 (`--linear-kernels mkl`; figures in docs/benchmarks.md, "CPU linear kernels"). A
+row's result does not depend on the other rows, padding included (tested), so a speculative round verifies each
+token as any other round of 6-12 tokens would.
 """
 
 from __future__ import annotations
@@ -30,10 +39,14 @@ from torch import nn
 
 from angelspec_hf.devices import DeviceError
 
-__all__ = ["PrepackedLinear", "is_prepacked", "prepack_available", "prepack_linears", "stock_linears",
-           "use_linear_kernels"]
+__all__ = ["PrepackedLinear", "is_prepacked", "mkl_pack_available", "prepack_available", "prepack_linears",
+           "stock_linears", "use_linear_kernels"]
 
-KERNELS = ("auto", "prepacked", "stock")
+KERNELS = ("auto", "prepacked", "mkl", "stock")
+LIBRARIES = {"prepacked": "onednn", "mkl": "mkl"}  # `--linear-kernels` value -> `PrepackedLinear.library`
+AUTO_KINDS = ("prepacked",)  # what `auto` times against stock (not "mkl": see `choose_linear_kernels`)
+MKL_ROWS = 12  # rows an MKL-packed weight is packed for: a verify of up to 11 draft tokens and the anchor
+MKL_MIN_ROWS = 6  # fewer rows take the stock kernel (as cheap as 12 padded rows, or cheaper, on the CPUs measured)
 
 
 def prepack_available() -> bool:
@@ -42,19 +55,37 @@ def prepack_available() -> bool:
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def mkl_pack_available() -> bool:
+    """Whether this PyTorch build has MKL's packed GEMM (x86 CPU builds with MKL)."""
+    return bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+                and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
+def _library_available(library: str) -> bool:
+    return mkl_pack_available() if library == "mkl" else prepack_available()
+
+
 class PrepackedLinear(nn.Linear):
-    """An `nn.Linear` whose inference forward reads a oneDNN-prepacked copy of its weight (see the module docstring).
+    """An `nn.Linear` whose inference forward reads a packed copy of its weight (see the module docstring): oneDNN's
+    for every forward (`library = "onednn"`), or MKL's for forwards of `MKL_MIN_ROWS` to `MKL_ROWS` rows (`"mkl"`).
     `enabled = False` makes it a plain `nn.Linear` again (`stock_linears`)."""
 
-    packed_for_cpu = True  # what `hardware_key` looks for: measured costs of a packed model are its own
+    library = "onednn"
+
+    @property
+    def packed_for_cpu(self) -> bool:
+        """What `hardware_key` and the pruned draft head look for: a oneDNN-prepacked weight (an MKL-packed one has
+        its own key, `library`)."""
+        return self.library == "onednn"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
+    def from_linear(cls, linear: nn.Linear, library: str = "onednn") -> PrepackedLinear:
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.weight, module.bias = linear.weight, linear.bias  # the same parameters, not copies
         module.enabled, module._packed, module._packed_of = True, None, None
+        module.library = library
         return module
 
     def _usable(self, x: torch.Tensor) -> bool:
@@ -64,10 +95,14 @@ class PrepackedLinear(nn.Linear):
 
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
-        version = (w.data_ptr(), w._version)
+        version = (w.data_ptr(), w._version, self.library)
         if self._packed_of != version:
+            self._packed = None  # the old copy's memory first
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+                if self.library == "mkl":
+                    self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_ROWS)
+                else:
+                    self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._packed_of = version
         return self._packed
 
@@ -79,29 +114,47 @@ class PrepackedLinear(nn.Linear):
         if not self._usable(x):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
+        if self.library == "mkl":
+            return self._mkl_forward(x, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
 
+    def _mkl_forward(self, x: torch.Tensor, bias) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if not MKL_MIN_ROWS <= rows <= MKL_ROWS:
+            return nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        if rows < MKL_ROWS:
+            flat = torch.cat([flat, flat.new_zeros(MKL_ROWS - rows, self.in_features)])
+        out = torch.ops.mkl._mkl_linear(flat.contiguous(), self._packed_weight(), self.weight.detach(), bias, MKL_ROWS)
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", prepacked={self.enabled}"
+        return super().extra_repr() + f", prepacked={self.enabled}, library={self.library}"
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Swap every fp32 CPU `nn.Linear` in `model` for a `PrepackedLinear` sharing its parameters; returns how many
-    (0 when oneDNN is not available, or the model is elsewhere or in another dtype). Idempotent."""
-    if not prepack_available():
+def prepack_linears(model: nn.Module, library: str = "onednn") -> int:
+    """Swap every fp32 CPU `nn.Linear` in `model` for a `PrepackedLinear` sharing its parameters, packed by `library`
+    ("onednn" or "mkl"; linears packed already switch to it); returns how many were swapped (0 when the library is not
+    available, or the model is elsewhere or in another dtype). Idempotent."""
+    if library not in LIBRARIES.values():
+        raise ValueError(f"library must be one of {sorted(LIBRARIES.values())}, got {library!r}")
+    if not _library_available(library):
         return 0
     count = 0
     for parent in model.modules():
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32):
-                setattr(parent, name, PrepackedLinear.from_linear(child))
+                setattr(parent, name, PrepackedLinear.from_linear(child, library))
                 count += 1
+            elif isinstance(child, PrepackedLinear) and child.library != library:
+                child.library, child._packed, child._packed_of = library, None, None
     return count
 
 
-def is_prepacked(model: nn.Module) -> bool:
-    return any(isinstance(m, PrepackedLinear) and m.enabled for m in model.modules())
+def is_prepacked(model: nn.Module, library: str | None = None) -> bool:
+    """Whether `model` has packed linears in use (by `library`, or by either)."""
+    return any(isinstance(m, PrepackedLinear) and m.enabled and library in (None, m.library) for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -143,30 +196,41 @@ def time_forwards(model: nn.Module, tokens=(1, 8), context: int = 64, repeats: i
     return {k: statistics.median(once(k) for _ in range(repeats)) for k in tokens}
 
 
-PREPACK_MARGIN = 0.05  # `choose_linear_kernels` keeps prepacked weights only when 5% faster
+PREPACK_MARGIN = 0.05  # `choose_linear_kernels` keeps packed weights only when 5% faster
 
 
 def choose_linear_kernels(target: nn.Module, *models) -> str:
-    """`--linear-kernels auto`: time `target`'s plain step and 8-token verify on both kernels (interleaved) and keep
-    the faster for the two together; `models` (drafters) follow the target's choice. Which is faster depends on the CPU
-    (faster on some, slower on others: docs/benchmarks.md, "CPU linear kernels"), so a fixed default loses on one of
-    them. Prepacked must be faster by `PREPACK_MARGIN`: its copies double the weights' memory, and a near tie flips
-    with the noise. Returns the line the commands print."""
+    """`--linear-kernels auto`: time `target`'s plain step and 8-token verify on the stock kernels and on each packed
+    library of `AUTO_KINDS` this PyTorch has (interleaved, each packed one twice), and keep the fastest for the two
+    together; `models` (drafters) follow the target's choice. Which is fastest depends on the CPU (docs/benchmarks.md,
+    "CPU linear kernels"), so a fixed default loses on some of them. A packed library must beat stock by
+    `PREPACK_MARGIN`: its copies double the weights' memory, and a near tie flips with the noise. MKL's packed verify
+    is not among them: on the Xeon where it makes an 8-token forward 10% cheaper, the batch-1 hook under its default
+    draft-length policy ran no faster with it (four interleaved A/Bs, docs/benchmarks.md), so it would cost the
+    memory for nothing; `--linear-kernels mkl` asks for it. Returns the line the commands print."""
     modules = [m for m in (target, *models) if isinstance(m, nn.Module)]
-    prepack_linears(target)
-    packed_modules = [m for m in target.modules() if isinstance(m, PrepackedLinear)]
-    if not packed_modules:
-        why = "no fp32 CPU linears" if prepack_available() else "this PyTorch has no oneDNN"
+    kinds = [kind for kind in AUTO_KINDS if _library_available(LIBRARIES[kind])]
+    if kinds:
+        prepack_linears(target, LIBRARIES[kinds[0]])
+    if not any(isinstance(m, PrepackedLinear) for m in target.modules()):
+        why = "no fp32 CPU linears" if kinds else "this PyTorch has no oneDNN"
         return f"stock ({why} to prepack)"
-    _switch_packed([target], True)  # an earlier choice may have switched them off
-    packed, stock = time_forwards(target), None
-    with stock_linears(target):
-        stock = time_forwards(target)
-    packed = {k: min(v, time_forwards(target)[k]) for k, v in packed.items()}  # second packed round: interleaved
-    timings = f"1 / 8 tokens: {stock[1] * 1e3:.0f} / {stock[8] * 1e3:.0f} ms stock, " \
-              f"{packed[1] * 1e3:.0f} / {packed[8] * 1e3:.0f} ms prepacked"
-    if sum(packed.values()) < (1 - PREPACK_MARGIN) * sum(stock.values()):
-        return f"auto: {use_linear_kernels('prepacked', *modules)}, measured faster ({timings})"
+    timed: dict[str, dict[int, float]] = {}
+    for kind in kinds[:1] + ["stock"] + kinds[1:] + kinds[::-1]:  # interleaved; each library timed twice, best kept
+        if kind == "stock":
+            with stock_linears(target):
+                timed["stock"] = time_forwards(target)
+            continue
+        prepack_linears(target, LIBRARIES[kind])
+        _switch_packed([target], True)  # an earlier choice may have switched them off
+        once = time_forwards(target)
+        timed[kind] = {k: min(v, timed[kind][k]) for k, v in once.items()} if kind in timed else once
+    names = {"stock": "stock", "prepacked": "prepacked", "mkl": "MKL-packed"}
+    timings = "1 / 8 tokens: " + ", ".join(f"{t[1] * 1e3:.0f} / {t[8] * 1e3:.0f} ms {names[kind]}"
+                                           for kind, t in timed.items())
+    best = min(kinds, key=lambda kind: sum(timed[kind].values()))
+    if sum(timed[best].values()) < (1 - PREPACK_MARGIN) * sum(timed["stock"].values()):
+        return f"auto: {use_linear_kernels(best, *modules)}, measured faster ({timings})"
     _switch_packed(modules, False)  # stock from now on: the packed copies' memory (+540 MB) is given back
     return f"auto: stock (torch.nn.functional.linear), measured faster ({timings})"
 
@@ -190,29 +254,36 @@ def use_linear_kernels(kind: str, *models) -> str:
     elsewhere = sorted({str(p.device) for m in models if isinstance(m, nn.Module)
                         for p in m.parameters() if p.device.type != "cpu"})
     if elsewhere and kind != "stock":
-        if kind == "prepacked":
-            raise DeviceError(f"--linear-kernels prepacked: oneDNN-prepacked linears run on the CPU only, and the models "
-                             f"are on {', '.join(elsewhere)}; use --linear-kernels stock or auto there")
+        if kind in LIBRARIES:
+            raise DeviceError(f"--linear-kernels {kind}: packed linears run on the CPU only, and the models are on "
+                              f"{', '.join(elsewhere)}; use --linear-kernels stock or auto there")
         return f"stock (torch.nn.functional.linear; prepacking is for the CPU, the models are on {', '.join(elsewhere)})"
     if kind == "auto":
         return choose_linear_kernels(*models)
     if kind == "stock":
+        _switch_packed([m for m in models if isinstance(m, nn.Module)], False)  # packed by an earlier choice: undone
         return "stock (torch.nn.functional.linear)"
     modules = [m for m in models if isinstance(m, nn.Module)]
+    library = LIBRARIES[kind]
     for model in modules:
-        prepack_linears(model)
+        prepack_linears(model, library)
     _switch_packed(modules, True)
     count = sum(isinstance(m, PrepackedLinear) for model in modules for m in model.modules())
     if count:
+        if library == "mkl":
+            return f"MKL-packed for {MKL_MIN_ROWS}-{MKL_ROWS}-token forwards, stock otherwise ({count} linears)"
         return f"oneDNN prepacked ({count} linears)"
-    why = "no fp32 CPU linears" if prepack_available() else "this PyTorch has no oneDNN"
-    return f"stock ({why} to prepack)"
+    if not _library_available(library):
+        return "stock (this PyTorch has no " + ("MKL" if library == "mkl" else "oneDNN") + ")"
+    return "stock (no fp32 CPU linears to prepack)"
 
 
 def add_linear_kernels_argument(parser) -> None:
     parser.add_argument("--linear-kernels", choices=KERNELS, default="auto",
                         help="prepacked: the target's and drafter's fp32 CPU linears read oneDNN-prepacked weights "
                              "(a multi-token verify costs about one decode step on some CPUs; see "
-                             "angelspec_hf.cpu_kernels; CPU only); stock: torch's F.linear; auto: on the CPU whichever "
-                             "of the two runs the target's plain step and 8-token verify faster on this machine, timed "
-                             "at start (~1 s), elsewhere stock")
+                             "angelspec_hf.cpu_kernels; CPU only); mkl: forwards of 6-12 tokens (verifies) read "
+                             "MKL-packed weights, the others the stock kernel (pays with whole blocks and long "
+                             "lookups); stock: torch's F.linear; auto: on the CPU whichever of stock and prepacked "
+                             "runs the target's plain step and 8-token verify faster on this machine, timed at start "
+                             "(~1 s), elsewhere stock")

@@ -1,16 +1,17 @@
 """How many tokens the `generate()` hook drafts in a round: as many as pay for themselves, possibly none.
 
 This is D-Cut's reasoning at batch 1, over the parts in `angelspec_hf.policy` that the batched engine shares: a round
-drafting `k` tokens costs `draft(k) + step(1 + k)` seconds (`RoundCosts`, profiled once per models and hardware,
-refined from the rounds timed and written back to the cache) and yields `1 + accepted` tokens, acceptance per draft
-position calibrated on the drafter's confidence (`AcceptanceCalibrator`); a plain step costs `step(1)` and yields
-one. The policy drafts the next token only while its expected gain per second beats the round's expected tokens per
-second so far, and takes a plain step when no block is expected to beat plain decoding, or when drafted rounds have
-delivered fewer tokens per second than plain ones (`MeasuredRates`): then it backs off (`BackOff`) and probes again
-later. A probe the acceptance model advises against is a *shadow draft*: the drafter proposes its first token beside
-a plain step and the target's own distribution there says how likely it was to be accepted (greedy: whether it is
-the target's token; sampling: `sum_x min(p(x), q(x))`), so position 0 is learned without verifying anything; the
-output comes from the plain step alone and the shadow draws no random numbers.
+drafting `k` tokens costs `draft(k) + step(1 + k)` seconds (`RoundCosts`, profiled once per models and hardware, refined
+from the rounds timed and written back to the cache) and yields `1 + accepted` tokens, acceptance per draft position
+calibrated on the drafter's confidence (`AcceptanceCalibrator`); a plain step costs `step(1)` and yields one. The policy
+drafts the next token only while a round stopped at it or at some later position is expected to deliver more tokens per
+second than one stopped here (`step(n)` need not be a line: `StepCost`), and takes a plain step when no block is
+expected to beat plain decoding, or when drafted rounds have delivered fewer tokens per second than plain ones
+(`MeasuredRates`): then it backs off (`BackOff`) and probes again later. A probe the acceptance model advises against is
+a *shadow draft*: the drafter proposes its first token beside a plain step and the target's own distribution there says
+how likely it was to be accepted (greedy: whether it is the target's token; sampling: `sum_x min(p(x), q(x))`), so
+position 0 is learned without verifying anything; the output comes from the plain step alone and the shadow draws no
+random numbers.
 
 Exact for sampling: whether position `j + 1` is drafted (and so verified) is decided after the token at `j` is drawn,
 from its confidence (known before it was drawn), never from the token at `j + 1`; whether a round drafts at all,
@@ -34,7 +35,8 @@ class DraftLengthPolicy:
 
     def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64,
                  measure: bool = True, shadow_probes: bool = True, device="cpu"):
-        self.step = StepCost(*costs.step_coef, prior_span=max_tokens + 1, plain=costs.plain_step)
+        self.step = StepCost(*costs.step_coef, prior_span=max_tokens + 1, plain=costs.plain_step,
+                             table=costs.step_table)
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.costs = costs
         self._timed, self._window = 0, QuietWindow(device)
@@ -105,7 +107,9 @@ class DraftLengthPolicy:
 
     def keep_drafting(self, confidence: float, max_tokens: int) -> bool:
         """After drafting one more position with `confidence` (the peak of the drafter's distribution there): is the
-        next position worth drafting and verifying?"""
+        next position worth drafting and verifying? Yes when a round stopped at some later position, those after this
+        one expected at their positions' mean acceptance, has a better expected rate than one stopped here: not only
+        the next, since a step's cost can jump at one size and stay flat after it (`StepCost`)."""
         j = len(self._round)
         self._round.append(confidence)
         self._survival *= self.calibrator.rate(j, confidence)
@@ -113,10 +117,14 @@ class DraftLengthPolicy:
         k = j + 1
         if k >= max_tokens:
             return False
-        cost = self.draft(k) + self.step(1 + k)
-        marginal_cost = self.draft(k + 1) + self.step(2 + k) - cost
-        marginal_gain = self._survival * self.calibrator.position_rates(k + 1)[k]
-        return marginal_gain * cost > self._expected * marginal_cost
+        here = self._expected / (self.draft(k) + self.step(1 + k))
+        survival, expected = self._survival, self._expected
+        for later, mean in enumerate(self.calibrator.position_rates(max_tokens)[k:], start=k + 1):
+            survival *= mean
+            expected += survival
+            if expected / (self.draft(later) + self.step(1 + later)) > here:
+                return True
+        return False
 
     def lookup_length(self, confidence: float, available: int, draft_tokens: int) -> int:
         """How many tokens of an n-gram lookup continuation (`available`, matched with `confidence` = matched length
@@ -168,4 +176,6 @@ class DraftLengthPolicy:
         self._timed += 1
         if self._timed % self.SAVE_EVERY == 0 and self._window.quiet():
             c = self.costs
-            RoundCosts(self.step.coef, self.draft.coef, c.key, c.path, plain_step=self.step.plain).save()
+            table = self.step.table
+            RoundCosts(self.step.coef, self.draft.coef, c.key, c.path, plain_step=self.step.plain,
+                       step_table=None if table is None else tuple(table)).save()

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from angelspec_hf.cpu_kernels import (PrepackedLinear, is_prepacked, prepack_available, prepack_linears,
-                                      stock_linears, use_linear_kernels)
+from angelspec_hf.cpu_kernels import (MKL_MIN_ROWS, MKL_ROWS, PrepackedLinear, is_prepacked, mkl_pack_available,
+                                      prepack_available, prepack_linears, stock_linears, use_linear_kernels)
 from helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this PyTorch build has no oneDNN (MKL-DNN)")
@@ -26,6 +26,57 @@ def test_prepacked_linear_computes_what_nn_linear_does(shape, bias):
         out, ref = packed(x), linear(x)
     assert packed._packed is not None  # the oneDNN path ran, not the fallback
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+needs_mkl = pytest.mark.skipif(not mkl_pack_available(), reason="this PyTorch build has no MKL packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [True, False])
+def test_mkl_packed_linear_computes_what_nn_linear_does_at_every_row_count(bias):
+    """MKL-packed linears: forwards of `MKL_MIN_ROWS`..`MKL_ROWS` rows (padded with zero rows) read the packed copy,
+    every other row count the stock kernel; all compute `nn.Linear`'s function."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40, bias=bias)
+    packed = PrepackedLinear.from_linear(linear, "mkl")
+    for rows in range(1, MKL_ROWS + 4):
+        x = torch.randn(1, rows, 24)
+        with torch.no_grad():
+            out, ref = packed(x), linear(x)
+        assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5), rows
+        assert (packed._packed is not None) == (rows >= MKL_MIN_ROWS), rows  # packed only once that size ran
+    with torch.enable_grad():  # training takes the stock kernel
+        x = torch.randn(MKL_ROWS, 24, requires_grad=True)
+        packed(x).sum().backward()
+    assert x.grad is not None
+
+
+@needs_mkl
+def test_an_mkl_packed_row_does_not_depend_on_the_other_rows():
+    """What makes the padding safe for verification: each row's output is the same, bit for bit, whatever the other
+    rows of the forward hold (zero padding, other tokens) and wherever it sits among them."""
+    torch.manual_seed(0)
+    packed = PrepackedLinear.from_linear(nn.Linear(96, 80), "mkl")
+    x = torch.randn(MKL_ROWS, 96)
+    with torch.no_grad():
+        full = packed(x)
+        for rows in range(MKL_MIN_ROWS, MKL_ROWS):
+            assert torch.equal(packed(x[:rows]), full[:rows]), rows
+        shifted = packed(torch.cat([x[1:], torch.randn(1, 96)]))
+    assert torch.equal(shifted[: MKL_ROWS - 1], full[1:])
+
+
+@needs_mkl
+def test_mkl_kernels_are_applied_switched_and_undone():
+    target = tiny_target()
+    line = use_linear_kernels("mkl", target)
+    assert line == f"MKL-packed for {MKL_MIN_ROWS}-{MKL_ROWS}-token forwards, stock otherwise (29 linears)"
+    assert is_prepacked(target, "mkl") and not is_prepacked(target, "onednn")
+    assert use_linear_kernels("prepacked", target) == "oneDNN prepacked (29 linears)"  # the same modules, repacked
+    assert is_prepacked(target, "onednn") and not is_prepacked(target, "mkl")
+    assert use_linear_kernels("stock", target).startswith("stock") and not is_prepacked(target)
+    with pytest.raises(ValueError, match="library"):
+        prepack_linears(target, "openblas")
 
 
 def test_prepacking_keeps_the_parameters_and_follows_their_changes():
@@ -98,6 +149,15 @@ def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
         assert line.startswith("auto: oneDNN prepacked" if packed_faster else "auto: stock"), line
         assert is_prepacked(target) == is_prepacked(drafter) == packed_faster
         assert use_linear_kernels("auto", target, drafter) == line  # asked again, whatever it chose before
+    if mkl_pack_available():  # MKL's packed verify is never auto's choice, however fast (it did not pay end to end)
+        def fake_mkl(model, tokens=(1, 8), **kwargs):
+            return {k: 0.001 if is_prepacked(model, "mkl") else 0.04 for k in tokens}
+
+        monkeypatch.setattr(cpu_kernels, "time_forwards", fake_mkl)
+        target = tiny_target()
+        line = use_linear_kernels("auto", target)
+        assert line.startswith("auto: stock") and "MKL" not in line and not is_prepacked(target), line
+        monkeypatch.setattr(cpu_kernels, "time_forwards", fake)
     target = tiny_target()
     use_linear_kernels("prepacked", target)
     with torch.no_grad():
@@ -124,7 +184,12 @@ def test_prepacked_models_get_their_own_cost_profiles():
     with stock_linears(target):
         assert hardware_key(target, drafter) == stock_key  # unchanged for stock models: their cached files still apply
     prepack_linears(drafter)
-    assert len({stock_key, packed_key, hardware_key(target, drafter)}) == 3
+    both_key = hardware_key(target, drafter)
+    assert len({stock_key, packed_key, both_key}) == 3
+    if mkl_pack_available():
+        prepack_linears(target, "mkl")
+        prepack_linears(drafter, "mkl")
+        assert len({stock_key, packed_key, both_key, hardware_key(target, drafter)}) == 4
 
 
 def test_a_pruned_draft_head_of_a_prepacked_target_is_prepacked_too():
@@ -149,23 +214,27 @@ def test_a_pruned_draft_head_of_a_prepacked_target_is_prepacked_too():
         assert not drafter.draft_lm_head(target.lm_head).pack
 
 
+@pytest.mark.parametrize("library", ["onednn", pytest.param("mkl", marks=needs_mkl)])
 @pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
-def test_speculation_on_a_prepacked_target_is_lossless(family):
-    """Target and drafter prepacked: greedy speculative output equals the prepacked target's own greedy output, through
-    the `generate()` hook and the batched engine."""
+def test_speculation_on_a_prepacked_target_is_lossless(family, library):
+    """Target and drafter prepacked (oneDNN, or MKL for the multi-token forwards): greedy speculative output equals
+    the packed target's own greedy output, through the `generate()` hook and the batched engine."""
     from angelspec_hf.tgi_patch.engine import generate_batch
 
     target = tiny_target()
     drafter = tiny_drafter(family, target)
-    prepack_linears(target)
-    prepack_linears(drafter)
+    prepack_linears(target, library)
+    prepack_linears(drafter, library)
     prompts = [[5, 6, 7], [9] * 12, [4, 3, 8, 8, 1, 7]]
     outputs = generate_batch(target, drafter, prompts, max_new_tokens=20, verify=4)
     packed = [m for model in (target, drafter) for m in model.modules() if isinstance(m, PrepackedLinear)]
-    assert all(m._packed is not None for m in packed)  # the engine's forwards ran on the packed weights
+    if library == "onednn":
+        assert all(m._packed is not None for m in packed)  # the engine's forwards ran on the packed weights
     plain = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False) for p in prompts]
     for p, ref in zip(prompts, plain):
         out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, ref)
     assert drafter.last_speculation_stats.accepted  # rounds were drafted and verified
+    # MKL packs a weight when a forward of 6-12 rows first runs: the 6- and 12-token prompts' prefills at least
+    assert all(m._packed is not None for m in target.modules() if isinstance(m, PrepackedLinear))
     assert outputs == [ref[0, len(p):].tolist() for p, ref in zip(prompts, plain)]

@@ -13,6 +13,7 @@ from angelspec_hf.policy import (
     MeasuredRates,
     OnlineLeastSquares,
     RoundCosts,
+    StepCost,
     StepKind,
     clock,
     load_or_profile_round_costs,
@@ -367,9 +368,11 @@ def test_the_hook_profile_reads_its_timers_after_the_device_has_worked(monkeypat
     drafter = tiny_drafter("dfly", target)
     seen = []
     monkeypatch.setattr(draft_policy, "clock", lambda device=None: seen.append(device) or 0.0)
-    profile_round_costs(target, drafter, repeats=2)
-    # 2 warm-up calls and 2 × 2 repeats of each of the step and draft sizes, each read before and after
-    assert len(seen) == 2 * (2 + 2 * 2 * 2) and all(torch.device(d) == target.device for d in seen)
+    costs = profile_round_costs(target, drafter, repeats=2)
+    # 2 warm-up calls, 2 repeats of each step size n = 1 .. K + 1 (K = 4, no lookups) and of both draft sizes, each
+    # read before and after
+    assert len(costs.step_table) == drafter.num_draft_tokens + 1 == 5
+    assert len(seen) == 2 * (2 + 2 * 5 + 2 * 2) and all(torch.device(d) == target.device for d in seen)
 
 
 def test_refined_costs_are_written_back_to_the_cache(tmp_path):
@@ -624,3 +627,65 @@ def test_refined_costs_are_written_back_only_after_quiet_rounds(tmp_path, monkey
     for _ in range(CostModel.SAVE_EVERY):
         model.observe_verify(8, 16, 0.3)
     assert engine_path.exists() is written
+
+
+# ---- step costs that are not a line in n ----------------------------------------------------------------------------
+# Measured on a 2-core Xeon (SmolLM2-135M, fp32, `--linear-kernels mkl`): a target step over n = 1 .. 11 new tokens
+# took 35, 38, 40, 54, 55, 59, 59, 59, 60, 59, 59 ms. A line fitted to the short rounds a policy mostly runs (n = 2 .. 5)
+# priced n = 11 at 100 ms, so long blocks and long lookups were never tried.
+TABLE = (0.035, 0.038, 0.040, 0.054, 0.055, 0.059, 0.059, 0.059, 0.060, 0.059, 0.059)
+
+
+def test_step_cost_prices_each_profiled_size_from_its_own_rounds():
+    cost = StepCost(0.030, 0.007, prior_span=9, plain=0.035, table=TABLE)
+    assert [cost(n) for n in range(2, 12)] == pytest.approx(TABLE[1:])
+    assert cost(14) == pytest.approx(0.030 + 0.007 * 14)  # past the table: the line
+    assert cost.table == pytest.approx(TABLE)
+    for _ in range(60):
+        cost.add(7, 0.045)  # this machine got faster at 7 tokens
+    assert cost(7) == pytest.approx(0.045, rel=0.01) and cost(8) == pytest.approx(0.059)  # its neighbours kept theirs
+    assert cost(1) == pytest.approx(0.035, rel=0.01)
+    line_only = StepCost(0.030, 0.007, prior_span=9, plain=0.035)
+    assert line_only.table is None and line_only(7) == pytest.approx(0.030 + 0.007 * 7)
+
+
+def trained_policy(confidence, accepted, table=TABLE, k=8):
+    """A policy whose calibrator has seen rounds of `k` positions at `confidence`, `accepted` of them accepted."""
+    policy = DraftLengthPolicy(RoundCosts((0.030, 0.003), (0.002, 0.0005), step_table=table), k, measure=False)
+    for _ in range(200):
+        policy.calibrator.update_round([confidence] * k, accepted)
+    return policy
+
+
+def test_a_round_drafts_past_a_jump_in_the_step_cost_when_the_flat_stretch_after_it_pays():
+    """The stopping rule looks past the next position: from 2 drafted tokens (a 3-token step) the next one costs a
+    jump (40 -> 54 ms), but every one after it up to 10 is nearly free. A rule that weighed the next position only
+    stopped at 2; this one drafts on when the positions after it are likely accepted, and stops when they are not."""
+    def after_two(policy, confidence):
+        policy.start_round(8)
+        return [policy.keep_drafting(confidence, 8) for _ in range(2)][-1]
+
+    likely = trained_policy(0.95, 8)  # every position accepted
+    assert after_two(likely, 0.95)
+    k, cost = 2, likely.draft(2) + likely.step(3)  # the next-position rule, as it was, says stop: the test's power
+    gain = likely._survival * likely.calibrator.position_rates(k + 1)[k]
+    assert not gain * cost > likely._expected * (likely.draft(3) + likely.step(4) - cost)
+    unlikely = trained_policy(0.95, 2)  # the third position never accepted
+    assert not after_two(unlikely, 0.95)
+    line = trained_policy(0.95, 8, table=None)  # no table: the profile's line, whose steady slope lets it draft on
+    assert after_two(line, 0.95)
+
+
+def test_the_step_table_survives_the_cache_and_old_profiles_are_measured_again(tmp_path):
+    costs = RoundCosts((0.05, 0.001), (0.0, 0.001), "k", tmp_path / "hook-k.json", step_table=TABLE)
+    assert costs.save()
+    assert RoundCosts.from_dict(json.loads(costs.path.read_text())).step_table == TABLE
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    fresh = load_or_profile_round_costs(target, drafter, tmp_path)
+    path = tmp_path / f"hook-{fresh.key}.json"
+    old = {"step_coef": [1.0, 1.0], "draft_coef": [1.0, 1.0], "key": fresh.key}  # written before step tables
+    path.write_text(json.dumps(old))
+    again = load_or_profile_round_costs(target, drafter, tmp_path)
+    assert again.step_table is not None and len(again.step_table) == drafter.num_draft_tokens + 1
+    assert again.step_coef[0] < 1.0 and json.loads(path.read_text())["step_table"]
