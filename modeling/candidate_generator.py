@@ -94,6 +94,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
         self.lookup_max_ngram = int(getattr(drafter.config, "lookup_max_ngram", 3) or 3)
         self._ngrams: NgramIndex | None = None  # the context's n-gram index, extended as tokens are accepted
+        self._repeating = False  # the round before verified a lookup and accepted all of it
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
@@ -254,7 +255,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             return None
         confidence = n / self.lookup_max_ngram
         if self.policy is not None:
-            tokens = tokens[: self.policy.lookup_length(confidence, len(tokens), num_tokens)]
+            tokens = tokens[: self.policy.lookup_length(confidence, len(tokens), num_tokens,
+                                                        repeating=self._repeating)]
         elif n < 2:
             tokens = []
         if not tokens:
@@ -283,6 +285,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
                 round_seconds = None if self._last_round_end is None else now - self._last_round_end
                 self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
                                     now - returned_at, round_seconds)
+        self._repeating = self._round["lookup"] is not None and int(num_matches) >= self._round["drafted"]
         self._round["returned_at"], self._last_round_end = None, now
         if len(self.stats.accepted) < len(self.stats.proposed):
             self.stats.accepted.append(int(num_matches))

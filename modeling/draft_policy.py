@@ -126,10 +126,15 @@ class DraftLengthPolicy:
                 return True
         return False
 
-    def lookup_length(self, confidence: float, available: int, draft_tokens: int) -> int:
+    def lookup_length(self, confidence: float, available: int, draft_tokens: int, repeating: bool = False) -> int:
         """How many tokens of an n-gram lookup continuation (`available`, matched with `confidence` = matched length
         / longest) to verify: the length with the best expected tokens per second (a lookup costs no drafting), or 0
-        when a drafted round or a plain step is expected to do better. Reads the context and past rounds only."""
+        when a drafted round or a plain step is expected to do better. `repeating`: the round before verified a lookup
+        and accepted all of it, so the text is repeating a span of its context, and the whole continuation is
+        verified (a lookup's acceptance is calibrated per position and confidence, which cannot tell a loop from a
+        chance match: docs/benchmarks.md, "Lookups that learn a loop"). Reads the context and past rounds only."""
+        if repeating:
+            return available
         best_k, best, survival, tokens = 0, self.best_rate(draft_tokens), 1.0, 1.0
         for k in range(1, available + 1):
             survival *= self.lookups.rate(k - 1, confidence)

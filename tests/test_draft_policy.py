@@ -689,3 +689,44 @@ def test_the_step_table_survives_the_cache_and_old_profiles_are_measured_again(t
     again = load_or_profile_round_costs(target, drafter, tmp_path)
     assert again.step_table is not None and len(again.step_table) == drafter.num_draft_tokens + 1
     assert again.step_coef[0] < 1.0 and json.loads(path.read_text())["step_table"]
+
+
+def test_a_lookup_after_a_lookup_accepted_whole_is_verified_whole():
+    """A lookup accepted whole means the text repeats a span of its context: the next lookup is verified as far as
+    it goes, however short the calibration alone would cut it."""
+    policy = policy_with()
+    assert policy.lookup_length(1.0, 10, 4) < 10
+    assert policy.lookup_length(1.0, 10, 4, repeating=True) == 10
+
+
+def test_the_hook_tells_the_policy_when_the_round_before_was_a_lookup_accepted_whole():
+    """Through `generate()`: `repeating` is passed exactly when the round before verified a lookup and accepted all
+    of it (recomputed here from what the policy observed), it happens (a looping greedy reply), and the output is
+    still plain greedy decoding's."""
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target, draft_length="auto", lookup_tokens=6)
+    seen = []
+
+    class Recording(DraftLengthPolicy):
+        last = None  # ("lookup", proposed, accepted) or "other": the round before
+
+        def lookup_length(self, confidence, available, draft_tokens, repeating=False):
+            expected = isinstance(self.last, tuple) and self.last[2] >= self.last[1]
+            seen.append((repeating, expected))
+            return super().lookup_length(confidence, available, draft_tokens, repeating=repeating)
+
+        def observe_lookup(self, confidence, proposed, accepted, step_seconds):
+            self.last = ("lookup", proposed, accepted)
+            super().observe_lookup(confidence, proposed, accepted, step_seconds)
+
+        def observe(self, *args, **kwargs):
+            self.last = "other"
+            super().observe(*args, **kwargs)
+
+    policy = Recording(RoundCosts((0.05, 0.001), (0.0, 0.001)), drafter.num_draft_tokens, measure=False)
+    drafter.draft_policy = lambda target, cache_dir=None: policy
+    prompt = torch.tensor([[9, 4, 7] * 5])
+    out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=40, do_sample=False))
+    assert seen and all(repeating == expected for repeating, expected in seen), seen
+    assert any(repeating for repeating, _ in seen), seen  # the test's power: a lookup was accepted whole
