@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .costs import LinearFit, clock, default_cache_dir, hardware_key, profile_cached, read_profile, write_profile
+from .costs import LinearFit, clock, default_cache_dir, hardware_key, profile_cached, write_profile
 
 
 class StepCost:
@@ -158,15 +158,18 @@ def load_or_profile_round_costs(target, drafter, cache_dir=None) -> RoundCosts:
     quiet: `costs.profile_cached`)."""
     key = hardware_key(target, drafter)
     path = Path(cache_dir or default_cache_dir()) / f"hook-{key}.json"
-    if (found := read_profile(path, RoundCosts.from_dict)) is not None and found.step_table is None:
-        path.unlink(missing_ok=True)  # profiled before steps were timed one size at a time: measured again
+
+    def parse(data: dict) -> RoundCosts:
+        if "step_table" not in data:  # profiled before steps were timed size by size: measured again
+            raise KeyError("step_table")
+        return RoundCosts.from_dict(data)
 
     def measure() -> RoundCosts:
         costs = profile_round_costs(target, drafter)
         costs.key = key
         return costs
 
-    costs, cached = profile_cached(path, RoundCosts.from_dict, measure, next(target.parameters()).device,
+    costs, cached = profile_cached(path, parse, measure, next(target.parameters()).device,
                                    RoundCosts.to_dict)
     costs.path = path if cached else None
     return costs
