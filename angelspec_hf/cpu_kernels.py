@@ -28,11 +28,25 @@ where the oneDNN copy made the plain step slower, this keeps the plain step as i
 tokens cost the same as one of 6 (`--linear-kernels mkl`; figures in docs/benchmarks.md, "CPU linear kernels"). A
 row's result does not depend on the other rows, padding included (tested), so a speculative round verifies each
 token as any other round of 6-12 tokens would.
+
+A third is this library's own kernel, `csrc/stream_linear.cpp` (`--linear-kernels stream`): a weight is packed into
+blocks of 32 output columns, and a forward of `STREAM_MIN_ROWS` to `STREAM_MAX_ROWS` rows streams each block from
+memory once, multiplying it into every row held in vector registers. A one-row forward is bound by how fast the
+weights come from memory, and so is a 12-row one here, where MKL's small GEMM, packed or not, runs compute-bound at a
+fraction of the CPU's peak: on the Xeon measured, a whole-block verify (9 tokens) costs 1.3 plain steps instead of 1.9
+(docs/benchmarks.md, "CPU linear kernels"). Each row is computed by the same operations whatever the other rows
+(bit for bit, tested), summed in chunks as MKL's blocked sum is. It is C++ compiled for the machine on first use
+(`torch.utils.cpp_extension`, about 40 s, cached in torch's extensions folder; it needs a C++ compiler and ninja:
+`stream_available()` says whether it built, `stream_unavailable_reason()` why not).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import platform
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,13 +54,16 @@ from torch import nn
 from angelspec_hf.devices import DeviceError
 
 __all__ = ["PrepackedLinear", "is_prepacked", "mkl_pack_available", "prepack_available", "prepack_linears",
-           "stock_linears", "use_linear_kernels"]
+           "stock_linears", "stream_available", "stream_unavailable_reason", "use_linear_kernels"]
 
-KERNELS = ("auto", "prepacked", "mkl", "stock")
-LIBRARIES = {"prepacked": "onednn", "mkl": "mkl"}  # `--linear-kernels` value -> `PrepackedLinear.library`
-AUTO_KINDS = ("prepacked",)  # what `auto` times against stock (not "mkl": see `choose_linear_kernels`)
+KERNELS = ("auto", "prepacked", "mkl", "stream", "stock")
+LIBRARIES = {"prepacked": "onednn", "mkl": "mkl", "stream": "stream"}  # `--linear-kernels` -> `PrepackedLinear.library`
+AUTO_KINDS = ("prepacked", "stream")  # what `auto` times against stock (not "mkl": see `choose_linear_kernels`)
 MKL_ROWS = 12  # rows an MKL-packed weight is packed for: a verify of up to 11 draft tokens and the anchor
 MKL_MIN_ROWS = 6  # fewer rows take the stock kernel (as cheap as 12 padded rows, or cheaper, on the CPUs measured)
+STREAM_MIN_ROWS = 3  # fewer rows (the plain decode step) take the stock kernel, which is as fast there
+STREAM_MAX_ROWS = 12  # one tile of rows (the kernel's register block); more (prefills, large batches) go to MKL's GEMM
+STREAM_SOURCE = Path(__file__).parent / "csrc" / "stream_linear.cpp"
 
 
 def prepack_available() -> bool:
@@ -61,13 +78,64 @@ def mkl_pack_available() -> bool:
                 and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
+def _cpu_fingerprint() -> str:
+    """What the compiled kernel depends on beyond its source: the CPU's instruction sets (it is built with
+    -march=native, and torch's extensions folder may be shared between machines) and the torch it links against."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    text = "\n".join([platform.machine(), platform.processor(), flags, torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _stream_extension():
+    """The compiled `csrc/stream_linear.cpp` module (built on first use, then loaded from torch's extensions folder),
+    or the exception that building it raised."""
+    try:
+        import logging
+        import os
+
+        from torch.utils.cpp_extension import get_default_build_root, load
+
+        name = f"angelspec_stream_linear_{_cpu_fingerprint()}"
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        if not any(root.glob(f"{name}/*.so")) and not any(root.glob(f"*/{name}/*.so")):
+            logging.getLogger(__name__).warning("compiling the weight-streaming kernel (%s) for this CPU: once, about "
+                                                "40 s", STREAM_SOURCE.name)
+        return load(name=name, sources=[str(STREAM_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, no ninja, no headers, an ISA the compiler does not know
+        return error
+
+
+def stream_available() -> bool:
+    """Whether this library's weight-streaming kernel (`--linear-kernels stream`) is built for this machine (building
+    it the first time: about 40 s)."""
+    return not isinstance(_stream_extension(), Exception)
+
+
+def stream_unavailable_reason() -> str | None:
+    """Why the weight-streaming kernel could not be built here (the first line of the error), or None when it was."""
+    ext = _stream_extension()
+    if not isinstance(ext, Exception):
+        return None
+    return f"{type(ext).__name__}: {(str(ext).strip().splitlines() or [''])[0]}"
+
+
 def _library_available(library: str) -> bool:
+    if library == "stream":
+        return stream_available()
     return mkl_pack_available() if library == "mkl" else prepack_available()
 
 
 class PrepackedLinear(nn.Linear):
     """An `nn.Linear` whose inference forward reads a packed copy of its weight (see the module docstring): oneDNN's
-    for every forward (`library = "onednn"`), or MKL's for forwards of `MKL_MIN_ROWS` to `MKL_ROWS` rows (`"mkl"`).
+    for every forward (`library = "onednn"`), MKL's for forwards of `MKL_MIN_ROWS` to `MKL_ROWS` rows (`"mkl"`), or
+    the weight-streaming kernel's for forwards of `STREAM_MIN_ROWS` to `STREAM_MAX_ROWS` rows (`"stream"`).
     `enabled = False` makes it a plain `nn.Linear` again (`stock_linears`)."""
 
     library = "onednn"
@@ -101,6 +169,8 @@ class PrepackedLinear(nn.Linear):
             with torch.no_grad():
                 if self.library == "mkl":
                     self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_ROWS)
+                elif self.library == "stream":
+                    self._packed = _stream_extension().pack(w.detach())
                 else:
                     self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._packed_of = version
@@ -111,22 +181,33 @@ class PrepackedLinear(nn.Linear):
         return {**state, "_packed": None, "_packed_of": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        library = self.library
+        if library != "onednn":  # a row-count window: the plain decode step leaves at once, at nn.Linear's cost
+            rows = x.numel() // max(1, x.shape[-1])
+            low, high = (MKL_MIN_ROWS, MKL_ROWS) if library == "mkl" else (STREAM_MIN_ROWS, STREAM_MAX_ROWS)
+            if not low <= rows <= high:
+                return nn.functional.linear(x, self.weight, self.bias)
         if not self._usable(x):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
-        if self.library == "mkl":
-            return self._mkl_forward(x, bias)
+        if library == "mkl":
+            return self._mkl_forward(x, rows, bias)
+        if library == "stream":
+            return self._stream_forward(x, rows, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
 
-    def _mkl_forward(self, x: torch.Tensor, bias) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if not MKL_MIN_ROWS <= rows <= MKL_ROWS:
-            return nn.functional.linear(x, self.weight, self.bias)
+    def _mkl_forward(self, x: torch.Tensor, rows: int, bias) -> torch.Tensor:
         flat = x.reshape(rows, self.in_features)
         if rows < MKL_ROWS:
             flat = torch.cat([flat, flat.new_zeros(MKL_ROWS - rows, self.in_features)])
         out = torch.ops.mkl._mkl_linear(flat.contiguous(), self._packed_weight(), self.weight.detach(), bias, MKL_ROWS)
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def _stream_forward(self, x: torch.Tensor, rows: int, bias) -> torch.Tensor:
+        out = _stream_extension().linear(x.reshape(rows, self.in_features), self._packed_weight(), self.out_features)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", prepacked={self.enabled}, library={self.library}"
@@ -134,8 +215,8 @@ class PrepackedLinear(nn.Linear):
 
 def prepack_linears(model: nn.Module, library: str = "onednn") -> int:
     """Swap every fp32 CPU `nn.Linear` in `model` for a `PrepackedLinear` sharing its parameters, packed by `library`
-    ("onednn" or "mkl"; linears packed already switch to it); returns how many were swapped (0 when the library is not
-    available, or the model is elsewhere or in another dtype). Idempotent."""
+    ("onednn", "mkl" or "stream"; linears packed already switch to it); returns how many were swapped (0 when the
+    library is not available, or the model is elsewhere or in another dtype). Idempotent."""
     if library not in LIBRARIES.values():
         raise ValueError(f"library must be one of {sorted(LIBRARIES.values())}, got {library!r}")
     if not _library_available(library):
@@ -201,19 +282,21 @@ PREPACK_MARGIN = 0.05  # `choose_linear_kernels` keeps packed weights only when 
 
 def choose_linear_kernels(target: nn.Module, *models) -> str:
     """`--linear-kernels auto`: time `target`'s plain step and 8-token verify on the stock kernels and on each packed
-    library of `AUTO_KINDS` this PyTorch has (interleaved, each packed one twice), and keep the fastest for the two
-    together; `models` (drafters) follow the target's choice. Which is fastest depends on the CPU (docs/benchmarks.md,
-    "CPU linear kernels"), so a fixed default loses on some of them. A packed library must beat stock by
-    `PREPACK_MARGIN`: its copies double the weights' memory, and a near tie flips with the noise. MKL's packed verify
-    is not among them: on the Xeon where it makes an 8-token forward 10% cheaper, the batch-1 hook under its default
-    draft-length policy ran no faster with it (four interleaved A/Bs, docs/benchmarks.md), so it would cost the
-    memory for nothing; `--linear-kernels mkl` asks for it. Returns the line the commands print."""
+    library of `AUTO_KINDS` this machine has (oneDNN; the weight-streaming kernel where it builds), interleaved, each
+    packed one twice, and keep the fastest for the two together; `models` (drafters) follow the target's choice. Which
+    is fastest depends on the CPU (docs/benchmarks.md, "CPU linear kernels"), so a fixed default loses on some of them.
+    A packed library must beat stock by `PREPACK_MARGIN`: its copies double the weights' memory, and a near tie flips
+    with the noise. MKL's packed verify is not among them: on the Xeon where it makes an 8-token forward 10% cheaper,
+    the batch-1 hook under its default draft-length policy ran no faster with it (four interleaved A/Bs,
+    docs/benchmarks.md), so it would cost the memory for nothing; `--linear-kernels mkl` asks for it. The
+    weight-streaming kernel is: there it made the 8-token forward 30% cheaper and the hook 9% faster under the default
+    policy (two interleaved A/Bs). Returns the line the commands print."""
     modules = [m for m in (target, *models) if isinstance(m, nn.Module)]
     kinds = [kind for kind in AUTO_KINDS if _library_available(LIBRARIES[kind])]
     if kinds:
         prepack_linears(target, LIBRARIES[kinds[0]])
     if not any(isinstance(m, PrepackedLinear) for m in target.modules()):
-        why = "no fp32 CPU linears" if kinds else "this PyTorch has no oneDNN"
+        why = "no fp32 CPU linears" if kinds else "neither oneDNN nor the weight-streaming kernel here"
         return f"stock ({why} to prepack)"
     timed: dict[str, dict[int, float]] = {}
     for kind in kinds[:1] + ["stock"] + kinds[1:] + kinds[::-1]:  # interleaved; each library timed twice, best kept
@@ -225,7 +308,7 @@ def choose_linear_kernels(target: nn.Module, *models) -> str:
         _switch_packed([target], True)  # an earlier choice may have switched them off
         once = time_forwards(target)
         timed[kind] = {k: min(v, timed[kind][k]) for k, v in once.items()} if kind in timed else once
-    names = {"stock": "stock", "prepacked": "prepacked", "mkl": "MKL-packed"}
+    names = {"stock": "stock", "prepacked": "prepacked", "mkl": "MKL-packed", "stream": "weight-streaming"}
     timings = "1 / 8 tokens: " + ", ".join(f"{t[1] * 1e3:.0f} / {t[8] * 1e3:.0f} ms {names[kind]}"
                                            for kind, t in timed.items())
     best = min(kinds, key=lambda kind: sum(timed[kind].values()))
@@ -272,7 +355,14 @@ def use_linear_kernels(kind: str, *models) -> str:
     if count:
         if library == "mkl":
             return f"MKL-packed for {MKL_MIN_ROWS}-{MKL_ROWS}-token forwards, stock otherwise ({count} linears)"
+        if library == "stream":
+            return (f"weight-streaming kernel for {STREAM_MIN_ROWS}-{STREAM_MAX_ROWS}-token forwards, stock otherwise "
+                    f"({count} linears)")
         return f"oneDNN prepacked ({count} linears)"
+    if library == "stream" and not stream_available():
+        raise RuntimeError(f"--linear-kernels stream: the kernel (angelspec_hf/csrc/stream_linear.cpp) could not be "
+                           f"built on this machine ({stream_unavailable_reason()}); it needs a C++ compiler and ninja "
+                           f"(pip install ninja); use --linear-kernels auto or stock")
     if not _library_available(library):
         return "stock (this PyTorch has no " + ("MKL" if library == "mkl" else "oneDNN") + ")"
     return "stock (no fp32 CPU linears to prepack)"
@@ -283,7 +373,8 @@ def add_linear_kernels_argument(parser) -> None:
                         help="prepacked: the target's and drafter's fp32 CPU linears read oneDNN-prepacked weights "
                              "(a multi-token verify costs about one decode step on some CPUs; see "
                              "angelspec_hf.cpu_kernels; CPU only); mkl: forwards of 6-12 tokens (verifies) read "
-                             "MKL-packed weights, the others the stock kernel (pays with whole blocks and long "
-                             "lookups); stock: torch's F.linear; auto: on the CPU whichever of stock and prepacked "
-                             "runs the target's plain step and 8-token verify faster on this machine, timed at start "
-                             "(~1 s), elsewhere stock")
+                             "MKL-packed weights, the others the stock kernel; stream: forwards of 3-12 tokens run "
+                             "this library's weight-streaming kernel (compiled on first use, ~40 s; a whole-block "
+                             "verify at about 1.3 plain steps), the others the stock kernel; stock: torch's F.linear; "
+                             "auto: on the CPU whichever of these runs the target's plain step and 8-token verify "
+                             "fastest on this machine, timed at start, elsewhere stock")

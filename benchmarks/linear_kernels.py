@@ -1,6 +1,6 @@
 """What one target forward of k new tokens costs with each linear kernel of `angelspec_hf.cpu_kernels` (stock
-`F.linear`, oneDNN-prepacked weights, MKL-packed weights for 6-12-token forwards), interleaved in one run: the cost of
-a verify step against a plain decode step.
+`F.linear`, oneDNN-prepacked weights, MKL-packed weights for 6-12-token forwards, the weight-streaming kernel for
+3-12-token forwards), interleaved in one run: the cost of a verify step against a plain decode step.
 
     python benchmarks/linear_kernels.py [--threads 2] [--context 256] [--tokens 1,2,3,4,5,6,8,9,11,12] [--repeats 15]
 
@@ -20,9 +20,10 @@ import torch
 from transformers import DynamicCache
 
 import angelspec_hf
-from angelspec_hf.cpu_kernels import LIBRARIES, mkl_pack_available, prepack_available, prepack_linears
+from angelspec_hf.cpu_kernels import (LIBRARIES, mkl_pack_available, prepack_available, prepack_linears,
+                                      stream_available)
 
-NAMES = {"stock": "stock", "prepacked": "oneDNN prepacked", "mkl": "MKL-packed"}
+NAMES = {"stock": "stock", "prepacked": "oneDNN prepacked", "mkl": "MKL-packed", "stream": "weight-streaming"}
 
 
 def main() -> None:
@@ -35,7 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = angelspec_hf.load_default_target()
-    kinds = ["stock"] + [kind for kind, ok in (("prepacked", prepack_available()), ("mkl", mkl_pack_available())) if ok]
+    available = (("prepacked", prepack_available()), ("mkl", mkl_pack_available()), ("stream", stream_available()))
+    kinds = ["stock"] + [kind for kind, ok in available if ok]
     models = {"stock": target}
     for kind in kinds[1:]:
         models[kind] = copy.deepcopy(target)

@@ -1,5 +1,6 @@
-"""Linears on oneDNN-prepacked weights (`angelspec_hf.cpu_kernels`): the same function as `nn.Linear`, the same
-parameters (state dict, tied embeddings, training), and speculative decoding on a prepacked target stays lossless."""
+"""Linears on packed weights (`angelspec_hf.cpu_kernels`: oneDNN, MKL, the weight-streaming kernel): the same
+function as `nn.Linear`, the same parameters (state dict, tied embeddings, training), and speculative decoding on a
+packed target stays lossless."""
 
 import copy
 import io
@@ -8,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from angelspec_hf.cpu_kernels import (MKL_MIN_ROWS, MKL_ROWS, PrepackedLinear, is_prepacked, mkl_pack_available,
-                                      prepack_available, prepack_linears, stock_linears, use_linear_kernels)
+from angelspec_hf.cpu_kernels import (MKL_MIN_ROWS, MKL_ROWS, STREAM_MAX_ROWS, STREAM_MIN_ROWS, PrepackedLinear,
+                                      is_prepacked, mkl_pack_available, prepack_available, prepack_linears,
+                                      stock_linears, stream_available, stream_unavailable_reason, use_linear_kernels)
 from helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this PyTorch build has no oneDNN (MKL-DNN)")
@@ -29,6 +31,8 @@ def test_prepacked_linear_computes_what_nn_linear_does(shape, bias):
 
 
 needs_mkl = pytest.mark.skipif(not mkl_pack_available(), reason="this PyTorch build has no MKL packed GEMM")
+needs_stream = pytest.mark.skipif(not stream_available(),
+                                  reason=f"the weight-streaming kernel did not build here: {stream_unavailable_reason()}")
 
 
 @needs_mkl
@@ -51,19 +55,22 @@ def test_mkl_packed_linear_computes_what_nn_linear_does_at_every_row_count(bias)
     assert x.grad is not None
 
 
-@needs_mkl
-def test_an_mkl_packed_row_does_not_depend_on_the_other_rows():
-    """What makes the padding safe for verification: each row's output is the same, bit for bit, whatever the other
-    rows of the forward hold (zero padding, other tokens) and wherever it sits among them."""
+@pytest.mark.parametrize("library, low, high", [pytest.param("mkl", MKL_MIN_ROWS, MKL_ROWS, marks=needs_mkl),
+                                                 pytest.param("stream", STREAM_MIN_ROWS, STREAM_MAX_ROWS,
+                                                              marks=needs_stream)])
+def test_a_packed_row_does_not_depend_on_the_other_rows(library, low, high):
+    """What makes packed verification safe (MKL's zero padding, the streaming kernel's tiles): each row's output is
+    the same, bit for bit, whatever the other rows of the forward hold and however many there are, and wherever it
+    sits among them: a token is verified alike in every round."""
     torch.manual_seed(0)
-    packed = PrepackedLinear.from_linear(nn.Linear(96, 80), "mkl")
-    x = torch.randn(MKL_ROWS, 96)
+    packed = PrepackedLinear.from_linear(nn.Linear(96, 80), library)
+    x = torch.randn(high, 96)
     with torch.no_grad():
         full = packed(x)
-        for rows in range(MKL_MIN_ROWS, MKL_ROWS):
+        for rows in range(low, high):
             assert torch.equal(packed(x[:rows]), full[:rows]), rows
         shifted = packed(torch.cat([x[1:], torch.randn(1, 96)]))
-    assert torch.equal(shifted[: MKL_ROWS - 1], full[1:])
+    assert torch.equal(shifted[: high - 1], full[1:])
 
 
 @needs_mkl
@@ -77,6 +84,68 @@ def test_mkl_kernels_are_applied_switched_and_undone():
     assert use_linear_kernels("stock", target).startswith("stock") and not is_prepacked(target)
     with pytest.raises(ValueError, match="library"):
         prepack_linears(target, "openblas")
+
+
+@needs_stream
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("features", [(24, 40), (130, 96), (96, 33)])  # reductions across chunks, partial blocks
+def test_stream_linear_computes_what_nn_linear_does_at_every_row_count(features, bias):
+    """The weight-streaming kernel: forwards of `STREAM_MIN_ROWS`..`STREAM_MAX_ROWS` rows read its packed copy, every
+    other row count the stock kernel; all compute `nn.Linear`'s function."""
+    torch.manual_seed(0)
+    linear = nn.Linear(*features, bias=bias)
+    packed = PrepackedLinear.from_linear(linear, "stream")
+    for rows in range(1, STREAM_MAX_ROWS + 4):
+        x = torch.randn(1, rows, features[0])
+        with torch.no_grad():
+            out, ref = packed(x), linear(x)
+        assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5), rows
+        assert (packed._packed is not None) == (rows >= STREAM_MIN_ROWS), rows  # packed once that size first ran
+    with torch.enable_grad():  # training takes the stock kernel
+        x = torch.randn(STREAM_MAX_ROWS, features[0], requires_grad=True)
+        packed(x).sum().backward()
+    assert x.grad is not None
+
+
+@needs_stream
+def test_stream_linear_rounds_like_mkl_at_the_targets_sizes():
+    """At the embedded target's sizes (576 -> 1536 and 1536 -> 576) the kernel's error against a float64 product is
+    of the order of MKL's: the reduction is summed in chunks, not left to right over 1,536 terms."""
+    torch.manual_seed(0)
+    for n_in, n_out in ((576, 1536), (1536, 576)):
+        linear = nn.Linear(n_in, n_out, bias=False)
+        packed = PrepackedLinear.from_linear(linear, "stream")
+        x = torch.randn(9, n_in)
+        exact = x.double() @ linear.weight.double().T
+        with torch.no_grad():
+            ours = (packed(x).double() - exact).abs().max()
+            mkl = (linear(x).double() - exact).abs().max()
+        assert ours <= 3 * mkl, (n_in, float(ours), float(mkl))
+
+
+@needs_stream
+def test_stream_kernels_are_applied_switched_and_undone():
+    target = tiny_target()
+    line = use_linear_kernels("stream", target)
+    assert line == (f"weight-streaming kernel for {STREAM_MIN_ROWS}-{STREAM_MAX_ROWS}-token forwards, stock "
+                    f"otherwise (29 linears)")
+    assert is_prepacked(target, "stream") and not is_prepacked(target, "onednn")
+    assert use_linear_kernels("prepacked", target) == "oneDNN prepacked (29 linears)"  # the same modules, repacked
+    assert is_prepacked(target, "onednn") and not is_prepacked(target, "stream")
+    assert use_linear_kernels("stock", target).startswith("stock") and not is_prepacked(target)
+
+
+def test_stream_kernels_where_they_cannot_be_built_say_why(monkeypatch):
+    from angelspec_hf import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_stream_extension", lambda: RuntimeError("Ninja is required to load C++ "
+                                                                               "extensions\nmore"))
+    assert not stream_available()
+    assert stream_unavailable_reason() == "RuntimeError: Ninja is required to load C++ extensions"
+    target = tiny_target()
+    with pytest.raises(RuntimeError, match="could not be built on this machine .*Ninja is required.*--linear-kernels"):
+        use_linear_kernels("stream", target)
+    assert not is_prepacked(target)
 
 
 def test_prepacking_keeps_the_parameters_and_follows_their_changes():
@@ -158,6 +227,16 @@ def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
         line = use_linear_kernels("auto", target)
         assert line.startswith("auto: stock") and "MKL" not in line and not is_prepacked(target), line
         monkeypatch.setattr(cpu_kernels, "time_forwards", fake)
+    if stream_available():  # the weight-streaming kernel is, where it is the fastest; the drafter follows
+        def fake_stream(model, tokens=(1, 8), **kwargs):
+            return {k: 0.02 if is_prepacked(model, "stream") else 0.04 for k in tokens}
+
+        monkeypatch.setattr(cpu_kernels, "time_forwards", fake_stream)
+        target, drafter = tiny_target(), tiny_drafter("dfly", tiny_target())
+        line = use_linear_kernels("auto", target, drafter)
+        assert line.startswith("auto: weight-streaming kernel") and "ms weight-streaming" in line, line
+        assert is_prepacked(target, "stream") and is_prepacked(drafter, "stream")
+        monkeypatch.setattr(cpu_kernels, "time_forwards", fake)
     target = tiny_target()
     use_linear_kernels("prepacked", target)
     with torch.no_grad():
@@ -169,7 +248,7 @@ def test_auto_linear_kernels_keep_whichever_the_target_runs_faster(monkeypatch):
     monkeypatch.undo()
     target = tiny_target()
     line = use_linear_kernels("auto", target)
-    assert ("prepacked (" in line) == is_prepacked(target) and "ms prepacked" in line, line
+    assert line.startswith("auto: stock") != is_prepacked(target) and "ms prepacked" in line, line
     assert use_linear_kernels("prepacked", target).startswith("oneDNN prepacked") and is_prepacked(target)
 
 
@@ -186,10 +265,13 @@ def test_prepacked_models_get_their_own_cost_profiles():
     prepack_linears(drafter)
     both_key = hardware_key(target, drafter)
     assert len({stock_key, packed_key, both_key}) == 3
-    if mkl_pack_available():
-        prepack_linears(target, "mkl")
-        prepack_linears(drafter, "mkl")
-        assert len({stock_key, packed_key, both_key, hardware_key(target, drafter)}) == 4
+    keys = {stock_key, packed_key, both_key}
+    for library, available in (("mkl", mkl_pack_available()), ("stream", stream_available())):
+        if available:
+            prepack_linears(target, library)
+            prepack_linears(drafter, library)
+            keys.add(hardware_key(target, drafter))
+            assert len(keys) == 3 + (library == "stream") + mkl_pack_available()
 
 
 def test_a_pruned_draft_head_of_a_prepacked_target_is_prepacked_too():
@@ -214,11 +296,13 @@ def test_a_pruned_draft_head_of_a_prepacked_target_is_prepacked_too():
         assert not drafter.draft_lm_head(target.lm_head).pack
 
 
-@pytest.mark.parametrize("library", ["onednn", pytest.param("mkl", marks=needs_mkl)])
+@pytest.mark.parametrize("library", ["onednn", pytest.param("mkl", marks=needs_mkl),
+                                     pytest.param("stream", marks=needs_stream)])
 @pytest.mark.parametrize("family", ["mtp", "dflash", "dfly"])
 def test_speculation_on_a_prepacked_target_is_lossless(family, library):
-    """Target and drafter prepacked (oneDNN, or MKL for the multi-token forwards): greedy speculative output equals
-    the packed target's own greedy output, through the `generate()` hook and the batched engine."""
+    """Target and drafter prepacked (oneDNN, or MKL or the weight-streaming kernel for the multi-token forwards):
+    greedy speculative output equals the packed target's own greedy output, through the `generate()` hook and the
+    batched engine."""
     from angelspec_hf.tgi_patch.engine import generate_batch
 
     target = tiny_target()
@@ -235,6 +319,6 @@ def test_speculation_on_a_prepacked_target_is_lossless(family, library):
         out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, ref)
     assert drafter.last_speculation_stats.accepted  # rounds were drafted and verified
-    # MKL packs a weight when a forward of 6-12 rows first runs: the 6- and 12-token prompts' prefills at least
+    # MKL and the streaming kernel pack a weight when a forward of 6 (3) to 12 rows first runs: prefills at least
     assert all(m._packed is not None for m in target.modules() if isinstance(m, PrepackedLinear))
     assert outputs == [ref[0, len(p):].tolist() for p, ref in zip(prompts, plain)]

@@ -41,14 +41,14 @@ def _prepacked(model) -> bool:
     return any(packed_linear(m) for m in model.modules())
 
 
-def _mkl_packed(model) -> bool:
-    """Whether `model` has linears reading MKL-packed weights (`PrepackedLinear` with `library == "mkl"`)."""
-    return any(getattr(m, "library", None) == "mkl" and getattr(m, "enabled", True) for m in model.modules())
+def _packed_by(model, library: str) -> bool:
+    """Whether `model` has linears reading weights packed by `library` (`PrepackedLinear.library`: "mkl", "stream")."""
+    return any(getattr(m, "library", None) == library and getattr(m, "enabled", True) for m in model.modules())
 
 
 def hardware_key(model, drafter=None) -> str:
     """Which measured costs apply: the models' configs and dtypes, the device, the CPU threads and the linear kernels
-    (a model whose linears read oneDNN- or MKL-packed weights has costs of its own). 16 hex digits."""
+    (a model whose linears read weights packed by oneDNN, MKL or the weight-streaming kernel has costs of its own). 16 hex digits."""
     device = next(model.parameters()).device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     parts = [model.config.to_json_string(use_diff=False), str(model.dtype), str(device.type), name,
@@ -60,9 +60,10 @@ def hardware_key(model, drafter=None) -> str:
         parts.append("prepacked:" + ",".join("target" if m is model else "drafter" for m in packed))
         if drafter is not None and model in packed and getattr(drafter.config, "draft_vocab_size", None):
             parts.append("pruned draft head prepacked")  # drafting got cheaper: costs measured before do not apply
-    mkl = [m for m in (model, drafter) if m is not None and _mkl_packed(m)]
-    if mkl:
-        parts.append("mkl-packed:" + ",".join("target" if m is model else "drafter" for m in mkl))
+    for library in ("mkl", "stream"):
+        packed = [m for m in (model, drafter) if m is not None and _packed_by(m, library)]
+        if packed:
+            parts.append(f"{library}-packed:" + ",".join("target" if m is model else "drafter" for m in packed))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
