@@ -38,7 +38,7 @@ demo: $(DRAFTERS)
 space: $(DRAFTERS)
 	$(BIN)/angelspec demo   # the Gradio Space, locally: http://127.0.0.1:7860
 
-# the test stack: every extra (dev), TGI's client, and the two Debian packages the tests drive
+# the test stack: every extra (dev), TGI's client, and the Debian packages the tests drive
 $(TEST): $(DEMO) pyproject.toml
 	@# mpirun: `accelerate launch` starts several CPU processes through it (a multi-process training test uses it)
 	command -v mpirun >/dev/null || { apt-get update -qq && apt-get install -y -qq openmpi-bin; } \
@@ -46,6 +46,9 @@ $(TEST): $(DEMO) pyproject.toml
 	@# the browser test drives Debian's Chromium through Playwright (never `playwright install`: it downloads a browser)
 	[ -x /usr/bin/chromium ] || { apt-get update -qq && apt-get install -y -qq chromium; } \
 		|| { echo "need Debian's chromium (/usr/bin/chromium): run as root or install it"; exit 1; }
+	@# g++ and ninja: torch builds the weight-streaming CPU kernel (angelspec_hf/csrc) with them on first use
+	{ command -v g++ && command -v ninja; } >/dev/null || { apt-get update -qq && apt-get install -y -qq g++ ninja-build; } \
+		|| { echo "need a C++ compiler and ninja (Debian's g++, ninja-build): run as root or install them"; exit 1; }
 	$(BIN)/pip install -q -e ".[dev]"   # with kernels: triton (~1 GB), for the interpreter tests
 	$(BIN)/pip install -q --no-deps text-generation==0.7.0   # TGI's client, for the server tests; it pins huggingface-hub<1
 	touch $@
