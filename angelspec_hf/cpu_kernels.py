@@ -289,8 +289,8 @@ def choose_linear_kernels(target: nn.Module, *models) -> str:
     with the noise. MKL's packed verify is not among them: on the Xeon where it makes an 8-token forward 10% cheaper,
     the batch-1 hook under its default draft-length policy ran no faster with it (four interleaved A/Bs,
     docs/benchmarks.md), so it would cost the memory for nothing; `--linear-kernels mkl` asks for it. The
-    weight-streaming kernel is: there it made the 8-token forward 30% cheaper and the hook 9% faster under the default
-    policy (two interleaved A/Bs). Returns the line the commands print."""
+    weight-streaming kernel is: there it made the 8-token forward 30% cheaper and the hook 6-12% faster under the
+    default policy (three interleaved A/Bs). Returns the line the commands print."""
     modules = [m for m in (target, *models) if isinstance(m, nn.Module)]
     kinds = [kind for kind in AUTO_KINDS if _library_available(LIBRARIES[kind])]
     if kinds:
