@@ -31,8 +31,8 @@ token as any other round of 6-12 tokens would.
 
 A third is this library's own kernel, `csrc/stream_linear.cpp` (`--linear-kernels stream`): a weight is packed into
 blocks of 32 output columns, and a forward of `STREAM_MIN_ROWS` to `STREAM_MAX_ROWS` rows streams each block from
-memory once, multiplying it into every row held in vector registers. A one-row forward is bound by how fast the
-weights come from memory, and so is a 12-row one here, where MKL's small GEMM, packed or not, runs compute-bound at a
+memory once per tile of 12 rows, multiplying it into the tile's rows held in vector registers. A one-row forward is
+bound by how fast the weights come from memory, and so is a 12-row one here, where MKL's small GEMM, packed or not, runs compute-bound at a
 fraction of the CPU's peak: on the Xeon measured, a whole-block verify (9 tokens) costs 1.3 plain steps instead of 1.9
 (docs/benchmarks.md, "CPU linear kernels"). Each row is computed by the same operations whatever the other rows
 (bit for bit, tested), summed in chunks as MKL's blocked sum is. It is C++ compiled for the machine on first use
@@ -62,7 +62,8 @@ AUTO_KINDS = ("prepacked", "stream")  # what `auto` times against stock (not "mk
 MKL_ROWS = 12  # rows an MKL-packed weight is packed for: a verify of up to 11 draft tokens and the anchor
 MKL_MIN_ROWS = 6  # fewer rows take the stock kernel (as cheap as 12 padded rows, or cheaper, on the CPUs measured)
 STREAM_MIN_ROWS = 3  # fewer rows (the plain decode step) take the stock kernel, which is as fast there
-STREAM_MAX_ROWS = 12  # one tile of rows (the kernel's register block); more (prefills, large batches) go to MKL's GEMM
+STREAM_MAX_ROWS = 48  # 1-4 tiles of 12 rows (the kernel's register block), each reading the weights once; more
+# (long prefills, large batches) go to MKL's GEMM, which is as fast from about 48 rows on (docs/benchmarks.md)
 STREAM_SOURCE = Path(__file__).parent / "csrc" / "stream_linear.cpp"
 
 
@@ -373,7 +374,7 @@ def add_linear_kernels_argument(parser) -> None:
                         help="prepacked: the target's and drafter's fp32 CPU linears read oneDNN-prepacked weights "
                              "(a multi-token verify costs about one decode step on some CPUs; see "
                              "angelspec_hf.cpu_kernels; CPU only); mkl: forwards of 6-12 tokens (verifies) read "
-                             "MKL-packed weights, the others the stock kernel; stream: forwards of 3-12 tokens run "
+                             "MKL-packed weights, the others the stock kernel; stream: forwards of 3-48 tokens run "
                              "this library's weight-streaming kernel (compiled on first use, ~40 s; a whole-block "
                              "verify at about 1.3 plain steps), the others the stock kernel; stock: torch's F.linear; "
                              "auto: on the CPU whichever of these runs the target's plain step and 8-token verify "

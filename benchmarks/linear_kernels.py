@@ -1,6 +1,6 @@
 """What one target forward of k new tokens costs with each linear kernel of `angelspec_hf.cpu_kernels` (stock
 `F.linear`, oneDNN-prepacked weights, MKL-packed weights for 6-12-token forwards, the weight-streaming kernel for
-3-12-token forwards), interleaved in one run: the cost of a verify step against a plain decode step.
+3-48-row forwards), interleaved in one run: the cost of a verify step against a plain decode step.
 
     python benchmarks/linear_kernels.py [--threads 2] [--context 256] [--tokens 1,2,3,4,5,6,8,9,11,12] [--repeats 15]
 

@@ -319,6 +319,6 @@ def test_speculation_on_a_prepacked_target_is_lossless(family, library):
         out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, ref)
     assert drafter.last_speculation_stats.accepted  # rounds were drafted and verified
-    # MKL and the streaming kernel pack a weight when a forward of 6 (3) to 12 rows first runs: prefills at least
+    # MKL and the streaming kernel pack a weight when a forward of 6 to 12 (3 to 48) rows first runs: prefills at least
     assert all(m._packed is not None for m in target.modules() if isinstance(m, PrepackedLinear))
     assert outputs == [ref[0, len(p):].tolist() for p, ref in zip(prompts, plain)]

@@ -3,8 +3,9 @@
 // MKL's sgemm reads a weight once for a one-row forward (a matrix-vector product bound by memory bandwidth) but runs
 // a forward of 4-12 rows as a small GEMM that takes up to twice as long. Here a weight [N, K] is packed once into
 // column blocks [ceil(N / 32), K, 32]; a forward streams each block from memory once (prefetched ahead) and multiplies
-// it into up to 12 rows held in vector registers, so 12 rows cost little more than one. Written with GCC vector
-// extensions: compiled for the machine it runs on (-march=native), AVX-512 or AVX2 alike.
+// it into a tile of up to 12 rows held in vector registers, so 12 rows cost little more than one (more rows: one pass
+// over the weights per tile). Written with GCC vector extensions: compiled for the machine it runs on
+// (-march=native), AVX-512 or AVX2 alike.
 //
 // Numerics: every row is computed by the same sequence of operations whatever the other rows and their number (a
 // row's output is bit for bit independent of them), summing the reduction in chunks of 64 and adding the chunks,
