@@ -79,17 +79,19 @@ def mkl_pack_available() -> bool:
                 and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-def _cpu_fingerprint() -> str:
-    """What the compiled kernel depends on beyond its source: the CPU's instruction sets (it is built with
-    -march=native, and torch's extensions folder may be shared between machines) and the torch it links against."""
+def _build_fingerprint() -> str:
+    """What the compiled kernel depends on, for its name in torch's extensions folder (which machines and checkouts
+    may share): the CPU's instruction sets (it is built with -march=native), the torch it links against, and the
+    source file, its path included (two checkouts never rebuild over each other's build)."""
     flags = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 flags = line
                 break
-    text = "\n".join([platform.machine(), platform.processor(), flags, torch.__version__])
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    source = STREAM_SOURCE.read_bytes() if STREAM_SOURCE.exists() else b""
+    text = "\n".join([platform.machine(), platform.processor(), flags, torch.__version__, str(STREAM_SOURCE.resolve())])
+    return hashlib.sha256(text.encode() + source).hexdigest()[:12]
 
 
 @functools.cache
@@ -102,7 +104,7 @@ def _stream_extension():
 
         from torch.utils.cpp_extension import get_default_build_root, load
 
-        name = f"angelspec_stream_linear_{_cpu_fingerprint()}"
+        name = f"angelspec_stream_linear_{_build_fingerprint()}"
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         if not any(root.glob(f"{name}/*.so")) and not any(root.glob(f"*/{name}/*.so")):
             logging.getLogger(__name__).warning("compiling the weight-streaming kernel (%s) for this CPU: once, about "
@@ -111,6 +113,16 @@ def _stream_extension():
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no ninja, no headers, an ISA the compiler does not know
         return error
+
+
+def _built_stream_extension():
+    """The compiled kernel, or a RuntimeError saying why there is none (a `PrepackedLinear(library="stream")` made by
+    hand on a machine where it does not build)."""
+    ext = _stream_extension()
+    if isinstance(ext, Exception):
+        raise RuntimeError(f"the weight-streaming kernel (angelspec_hf/csrc/stream_linear.cpp) could not be built on "
+                           f"this machine ({stream_unavailable_reason()}); it needs a C++ compiler and ninja") from ext
+    return ext
 
 
 def stream_available() -> bool:
@@ -171,7 +183,7 @@ class PrepackedLinear(nn.Linear):
                 if self.library == "mkl":
                     self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_ROWS)
                 elif self.library == "stream":
-                    self._packed = _stream_extension().pack(w.detach())
+                    self._packed = _built_stream_extension().pack(w.detach())
                 else:
                     self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._packed_of = version
@@ -205,7 +217,8 @@ class PrepackedLinear(nn.Linear):
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def _stream_forward(self, x: torch.Tensor, rows: int, bias) -> torch.Tensor:
-        out = _stream_extension().linear(x.reshape(rows, self.in_features), self._packed_weight(), self.out_features)
+        out = _built_stream_extension().linear(x.reshape(rows, self.in_features), self._packed_weight(),
+                                               self.out_features)
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], self.out_features)

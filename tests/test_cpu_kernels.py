@@ -146,6 +146,9 @@ def test_stream_kernels_where_they_cannot_be_built_say_why(monkeypatch):
     with pytest.raises(RuntimeError, match="could not be built on this machine .*Ninja is required.*--linear-kernels"):
         use_linear_kernels("stream", target)
     assert not is_prepacked(target)
+    by_hand = PrepackedLinear.from_linear(nn.Linear(24, 40), "stream")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="could not be built on this machine .*Ninja is required"):
+        by_hand(torch.randn(4, 24))
 
 
 def test_prepacking_keeps_the_parameters_and_follows_their_changes():
