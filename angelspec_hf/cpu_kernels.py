@@ -32,12 +32,12 @@ token as any other round of 6-12 tokens would.
 A third is this library's own kernel, `csrc/stream_linear.cpp` (`--linear-kernels stream`): a weight is packed into
 blocks of 32 output columns, and a forward of `STREAM_MIN_ROWS` to `STREAM_MAX_ROWS` rows streams each block from
 memory once per tile of 12 rows, multiplying it into the tile's rows held in vector registers. A one-row forward is
-bound by how fast the weights come from memory, and so is a 12-row one here, where MKL's small GEMM, packed or not, runs compute-bound at a
-fraction of the CPU's peak: on the Xeon measured, a whole-block verify (9 tokens) costs 1.3 plain steps instead of 1.9
-(docs/benchmarks.md, "CPU linear kernels"). Each row is computed by the same operations whatever the other rows
-(bit for bit, tested), summed in chunks as MKL's blocked sum is. It is C++ compiled for the machine on first use
-(`torch.utils.cpp_extension`, about 40 s, cached in torch's extensions folder; it needs a C++ compiler and ninja:
-`stream_available()` says whether it built, `stream_unavailable_reason()` why not).
+bound by how fast the weights come from memory, and so is a 12-row one here, where MKL's small GEMM, packed or not,
+runs compute-bound at a fraction of the CPU's peak: on the Xeon measured, a whole-block verify (9 tokens) costs 1.3
+plain steps instead of 1.9 (docs/benchmarks.md, "CPU linear kernels"). Each row is computed by the same operations
+whatever the other rows (bit for bit, tested), summed in chunks as MKL's blocked sum is. It is C++ compiled for the
+machine on first use (`torch.utils.cpp_extension`, about 30 s, cached in torch's extensions folder; it needs a C++
+compiler and ninja: `stream_available()` says whether it built, `stream_unavailable_reason()` why not).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _stream_extension():
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         if not any(root.glob(f"{name}/*.so")) and not any(root.glob(f"*/{name}/*.so")):
             logging.getLogger(__name__).warning("compiling the weight-streaming kernel (%s) for this CPU: once, about "
-                                                "40 s", STREAM_SOURCE.name)
+                                                "30 s", STREAM_SOURCE.name)
         return load(name=name, sources=[str(STREAM_SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no ninja, no headers, an ISA the compiler does not know
@@ -127,7 +127,7 @@ def _built_stream_extension():
 
 def stream_available() -> bool:
     """Whether this library's weight-streaming kernel (`--linear-kernels stream`) is built for this machine (building
-    it the first time: about 40 s)."""
+    it the first time: about 30 s)."""
     return not isinstance(_stream_extension(), Exception)
 
 
@@ -388,7 +388,7 @@ def add_linear_kernels_argument(parser) -> None:
                              "(a multi-token verify costs about one decode step on some CPUs; see "
                              "angelspec_hf.cpu_kernels; CPU only); mkl: forwards of 6-12 tokens (verifies) read "
                              "MKL-packed weights, the others the stock kernel; stream: forwards of 3-48 tokens run "
-                             "this library's weight-streaming kernel (compiled on first use, ~40 s; a whole-block "
+                             "this library's weight-streaming kernel (compiled on first use, ~30 s; a whole-block "
                              "verify at about 1.3 plain steps), the others the stock kernel; stock: torch's F.linear; "
                              "auto: on the CPU whichever of these runs the target's plain step and 8-token verify "
                              "fastest on this machine, timed at start, elsewhere stock")

@@ -31,8 +31,8 @@ def test_prepacked_linear_computes_what_nn_linear_does(shape, bias):
 
 
 needs_mkl = pytest.mark.skipif(not mkl_pack_available(), reason="this PyTorch build has no MKL packed GEMM")
-needs_stream = pytest.mark.skipif(not stream_available(),
-                                  reason=f"the weight-streaming kernel did not build here: {stream_unavailable_reason()}")
+needs_stream = pytest.mark.skipif(
+    not stream_available(), reason=f"the weight-streaming kernel did not build here: {stream_unavailable_reason()}")
 
 
 @needs_mkl
