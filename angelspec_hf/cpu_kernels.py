@@ -115,13 +115,14 @@ def _stream_extension():
         return error
 
 
-def _built_stream_extension():
-    """The compiled kernel, or a RuntimeError saying why there is none (a `PrepackedLinear(library="stream")` made by
-    hand on a machine where it does not build)."""
+def _built_stream_extension(hint: str = ""):
+    """The compiled kernel, or a RuntimeError saying why there is none (`--linear-kernels stream`, or a
+    `PrepackedLinear(library="stream")` made by hand, on a machine where it does not build), ending with `hint`."""
     ext = _stream_extension()
     if isinstance(ext, Exception):
         raise RuntimeError(f"the weight-streaming kernel (angelspec_hf/csrc/stream_linear.cpp) could not be built on "
-                           f"this machine ({stream_unavailable_reason()}); it needs a C++ compiler and ninja") from ext
+                           f"this machine ({stream_unavailable_reason()}); it needs a C++ compiler and ninja (pip "
+                           f"install ninja){hint}") from ext
     return ext
 
 
@@ -373,10 +374,8 @@ def use_linear_kernels(kind: str, *models) -> str:
             return (f"weight-streaming kernel for {STREAM_MIN_ROWS}-{STREAM_MAX_ROWS}-token forwards, stock otherwise "
                     f"({count} linears)")
         return f"oneDNN prepacked ({count} linears)"
-    if library == "stream" and not stream_available():
-        raise RuntimeError(f"--linear-kernels stream: the kernel (angelspec_hf/csrc/stream_linear.cpp) could not be "
-                           f"built on this machine ({stream_unavailable_reason()}); it needs a C++ compiler and ninja "
-                           f"(pip install ninja); use --linear-kernels auto or stock")
+    if library == "stream":
+        _built_stream_extension("; use --linear-kernels auto or stock")  # raises where the kernel did not build
     if not _library_available(library):
         return "stock (this PyTorch has no " + ("MKL" if library == "mkl" else "oneDNN") + ")"
     return "stock (no fp32 CPU linears to prepack)"
