@@ -48,7 +48,8 @@ def _packed_by(model, library: str) -> bool:
 
 def hardware_key(model, drafter=None) -> str:
     """Which measured costs apply: the models' configs and dtypes, the device, the CPU threads and the linear kernels
-    (a model whose linears read weights packed by oneDNN, MKL or the weight-streaming kernel has costs of its own). 16 hex digits."""
+    (a model whose linears read weights packed by oneDNN, MKL or the weight-streaming kernel has costs of its own). 16
+    hex digits."""
     device = next(model.parameters()).device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     parts = [model.config.to_json_string(use_diff=False), str(model.dtype), str(device.type), name,
@@ -61,9 +62,9 @@ def hardware_key(model, drafter=None) -> str:
         if drafter is not None and model in packed and getattr(drafter.config, "draft_vocab_size", None):
             parts.append("pruned draft head prepacked")  # drafting got cheaper: costs measured before do not apply
     for library in ("mkl", "stream"):
-        packed = [m for m in (model, drafter) if m is not None and _packed_by(m, library)]
-        if packed:
-            parts.append(f"{library}-packed:" + ",".join("target" if m is model else "drafter" for m in packed))
+        users = [m for m in (model, drafter) if m is not None and _packed_by(m, library)]
+        if users:
+            parts.append(f"{library}-packed:" + ",".join("target" if m is model else "drafter" for m in users))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
