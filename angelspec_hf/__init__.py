@@ -4,7 +4,9 @@
 generate() hook (`enable_generate_hook`), which wraps two methods of transformers' `GenerationMixin` for the whole
 process so that `target.generate(assistant_model=drafter)` routes an AngelSpec drafter to its own candidate generator
 (every other assistant falls through unchanged; see `angelspec_hf.modeling.candidate_generator`).
-`disable_generate_hook()` undoes it. Constructing or loading a drafter patches nothing.
+`disable_generate_hook()` undoes it. Constructing or loading a drafter patches nothing. It also registers the
+`angelspec_sdpa` attention implementation with transformers (`angelspec_hf.attention`: SDPA, with a CPU verify forward's
+grouped-query attention run without copying the KV cache).
 """
 
 from transformers import AutoConfig, AutoModel
@@ -24,6 +26,7 @@ from angelspec_hf.modeling import (
     generate_hook_enabled,
     load_foreign_checkpoint,
 )
+from angelspec_hf.attention import GQA_SDPA_ATTENTION, use_gqa_sdpa
 from angelspec_hf.cpu_kernels import prepack_linears
 from angelspec_hf.targets import load_default_target, load_target
 
@@ -56,9 +59,9 @@ def load_drafter(name_or_path, device=None, dtype=None, **kwargs) -> DrafterPreT
 
 __version__ = "0.1.0"
 __all__ = [
-    "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DrafterPreTrainedModel", "MTPConfig",
-    "MTPDrafter", "SpeculationStats", "disable_generate_hook", "enable_generate_hook", "generate_hook_enabled",
-    "load_default_target", "load_drafter", "load_target", "prepack_linears",
+    "DFlashConfig", "DFlashDrafter", "DFlyConfig", "DFlyDrafter", "DrafterPreTrainedModel", "GQA_SDPA_ATTENTION",
+    "MTPConfig", "MTPDrafter", "SpeculationStats", "disable_generate_hook", "enable_generate_hook",
+    "generate_hook_enabled", "load_default_target", "load_drafter", "load_target", "prepack_linears", "use_gqa_sdpa",
 ]
 
 

@@ -27,6 +27,7 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from angelspec_hf.attention import use_gqa_sdpa
 from angelspec_hf.policy import NgramIndex, clock
 
 BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, verify=...)"
@@ -87,6 +88,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
                 f"engine: {BATCHED_API}."
             )
         drafter.check_target(target)
+        if target.device.type == "cpu":
+            use_gqa_sdpa(target)  # same outputs as SDPA, each verify forward without copies of the KV cache
         self.drafter = drafter
         self.target_embeddings = target.get_input_embeddings()
         self.target_lm_head = drafter.draft_lm_head(target.get_output_embeddings())  # pruned rows, if any

@@ -649,6 +649,24 @@ def test_step_cost_prices_each_profiled_size_from_its_own_rounds():
     assert line_only.table is None and line_only(7) == pytest.approx(0.030 + 0.007 * 7)
 
 
+def test_a_stalled_round_does_not_reprice_its_step_but_a_real_rise_is_followed():
+    """One round timed at 5x (a stall of the shared CPU) moves its cell as a round at 1.5x would; 60 rounds that
+    all take 1.5x longer (the machine got slower) are followed to their cost."""
+    stalled, reference, face_value = (StepCost(0.030, 0.007, prior_span=9, plain=0.035, table=TABLE)
+                                      for _ in range(3))
+    face_value.OUTLIER_RATIO = float("inf")  # the stall taken as timed: the test's power
+    ceiling = StepCost.OUTLIER_RATIO * max(TABLE[2], 0.030 + 0.007 * 3)  # of its cell or the line, the larger
+    for cost, seconds in ((stalled, 5 * TABLE[2]), (reference, ceiling), (face_value, 5 * TABLE[2])):
+        cost.add(3, seconds)
+    assert stalled(3) == pytest.approx(reference(3)) and stalled(3) < 1.25 * TABLE[2]
+    assert face_value(3) > 1.8 * TABLE[2]
+    stalled.add(1, 10 * 0.035)
+    assert stalled(1) < 1.4 * 0.035
+    for _ in range(60):
+        stalled.add(7, 1.5 * TABLE[6])
+    assert stalled(7) == pytest.approx(1.5 * TABLE[6], rel=0.02)
+
+
 def trained_policy(confidence, accepted, table=TABLE, k=8):
     """A policy whose calibrator has seen rounds of `k` positions at `confidence`, `accepted` of them accepted."""
     policy = DraftLengthPolicy(RoundCosts((0.030, 0.003), (0.002, 0.0005), step_table=table), k, measure=False)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from angelspec_hf.attention import GQA_SDPA_ATTENTION
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,9 +49,9 @@ def _packed_by(model, library: str) -> bool:
 
 
 def hardware_key(model, drafter=None) -> str:
-    """Which measured costs apply: the models' configs and dtypes, the device, the CPU threads and the linear kernels
-    (a model whose linears read weights packed by oneDNN, MKL or the weight-streaming kernel has costs of its own). 16
-    hex digits."""
+    """Which measured costs apply: the models' configs and dtypes, the device, the CPU threads, the linear kernels (a
+    model whose linears read weights packed by oneDNN, MKL or the weight-streaming kernel has costs of its own) and the
+    target's attention where it is `angelspec_sdpa` (its verify forwards cost less). 16 hex digits."""
     device = next(model.parameters()).device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     parts = [model.config.to_json_string(use_diff=False), str(model.dtype), str(device.type), name,
@@ -65,6 +67,8 @@ def hardware_key(model, drafter=None) -> str:
         users = [m for m in (model, drafter) if m is not None and _packed_by(m, library)]
         if users:
             parts.append(f"{library}-packed:" + ",".join("target" if m is model else "drafter" for m in users))
+    if getattr(model.config, "_attn_implementation", None) == GQA_SDPA_ATTENTION:
+        parts.append(f"attention:{GQA_SDPA_ATTENTION}")  # appended only then: other keys stay as they were
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

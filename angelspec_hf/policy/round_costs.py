@@ -26,7 +26,16 @@ class StepCost:
     mean, started from the table's value, and the line serves only longer steps: a multi-token forward's cost need
     not be a line in n (on a CPU, a GEMM kernel may change at some row count; with `--linear-kernels mkl` a step of
     6-12 tokens costs what one of 6 does), and a line fitted to the short rounds a policy mostly runs would price the
-    long ones it never tries far above what they cost."""
+    long ones it never tries far above what they cost.
+
+    A round timed at more than `OUTLIER_RATIO` times what it is expected to cost (its estimate, and at least the plain
+    step's and, past one token, the line's) counts as that much: a CPU shared with other work stalls now and then, and
+    one stalled round taken at face value doubled a cell for dozens of rounds (cells of 3, 5 and 8 tokens at 2.1-2.4
+    plain steps where the forwards cost 1.1-1.3 on a 2-core Xeon), and a cell priced that high is seldom chosen, so
+    seldom corrected. A cost that really rises is followed all the same, in steps of up to that ratio; one that falls,
+    at once."""
+
+    OUTLIER_RATIO = 1.5
 
     def __init__(self, a: float, b: float, prior_span: float, plain: float | None = None, prior_weight: float = 4.0,
                  decay: float = 0.99, prior_fade: float = 0.9, table=None):
@@ -41,6 +50,10 @@ class StepCost:
                        for n, t in enumerate(table or (), start=1) if n >= 2}
 
     def add(self, n: float, y: float) -> None:
+        # the ceiling: a ratio of what this step is expected to cost, and at least of a plain step (and of the line
+        # for n >= 2), so that a profile priced far too low is still corrected
+        expected = self.plain if n <= 1 else max(self(n), self.line(n), self.plain)
+        y = min(float(y), self.OUTLIER_RATIO * expected)
         self._prior = self._prior * self.prior_fade
         if n <= 1:
             self._data = self._data * self.decay + torch.tensor([1.0, float(y)], dtype=torch.float64)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from angelspec_hf.attention import GQA_SDPA_ATTENTION
 from angelspec_hf.modeling.drafter_utils import DrafterPreTrainedModel
 
 from . import kernels
@@ -37,7 +38,7 @@ class BatchDrafter:
         # where the kernel reads the pool (CUDA), the drafter's attention does too, instead of gathering every page
         # (only over SDPA, the drafters' default; the registered function is SDPA for every other call)
         self.in_place = (kernels.use_paged_attention_kernel(self.pool.k)
-                         and drafter.config._attn_implementation in ("sdpa", DRAFT_POOL_ATTENTION))
+                         and drafter.config._attn_implementation in ("sdpa", GQA_SDPA_ATTENTION, DRAFT_POOL_ATTENTION))
         if self.in_place:
             drafter.set_attn_implementation(DRAFT_POOL_ATTENTION)
 

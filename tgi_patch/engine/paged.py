@@ -28,9 +28,9 @@ from itertools import accumulate
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from angelspec_hf.attention import gqa_sdpa_attention
 from angelspec_hf.modeling.drafter_utils import additive_mask
 
 from . import kernels
@@ -286,14 +286,15 @@ def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention for a packed ragged batch (`ragged=RaggedStep` in the model's kwargs); plain SDPA otherwise.
+    """Attention for a packed ragged batch (`ragged=RaggedStep` in the model's kwargs); SDPA otherwise
+    (`angelspec_hf.attention.gqa_sdpa_attention`).
 
     query `[1, H, T, D]` and key/value `[1, Hkv, T, D]` hold the new tokens of all sequences back to back.
     """
     step: RaggedStep | None = kwargs.pop("ragged", None)
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return gqa_sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  **kwargs)
     layer = module.layer_idx
     pool = step.pool
     pool.k[layer][step.write_index] = key[0].transpose(0, 1).to(pool.k.dtype)
@@ -318,12 +319,12 @@ _ATTENDING: ContextVar[tuple | None] = ContextVar("angelspec_pool_attending", de
 def pool_draft_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A drafter's attention in the engine where the pool is read through the kernel: the call that follows an
     in-place `PoolCache.update()` of the same layer (`key` is the tensor that update returned) attends through
-    `PoolCache.attend`; every other call (the batch-1 hook's cache, training) is transformers' SDPA, the drafters'
-    default implementation, unchanged."""
+    `PoolCache.attend`; every other call (the batch-1 hook's cache, training) is SDPA, the drafters' default
+    implementation (`angelspec_hf.attention.gqa_sdpa_attention`: transformers' own, bit for bit)."""
     pending = _ATTENDING.get()
     if pending is None or pending[1] != module.layer_idx or pending[2] is not key:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return gqa_sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  **kwargs)
     _ATTENDING.set(None)
     return pending[0].attend(query, module.layer_idx, scaling), None
 
