@@ -34,7 +34,8 @@ METHODS = ("ar", "ar_stock", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full
 # `<family>`: the drafter with its cost-aware draft length (`draft_length="auto"`); `<family>_full`: whole blocks,
 # cut where the drafter's `draft_stop_threshold` says (the shipped DFly's 0.4; `--draft-stop-threshold 0`: uncut);
 # `<family>+lookup` (also `<label>+lookup` for a drafter of --drafters): each round an n-gram lookup, the drafter's
-# block or a plain step, whichever is expected to give the most tokens per second (`lookup_tokens`)
+# block or a plain step, whichever is expected to give the most tokens per second (`lookup_tokens`);
+# `<family>_full+lookup`: whole blocks, and a lookup whenever one matches (not in the default list)
 LOOKUP = "+lookup"
 LOOKUP_TOKENS = 10
 DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly", "router": "router",
@@ -95,7 +96,7 @@ def method_kwargs(method: str, drafters: dict) -> dict:
         for routed in drafter.drafters.values():
             routed.config.draft_length, routed.config.lookup_tokens = "auto", LOOKUP_TOKENS
     elif method != "dflash_builtin" and hasattr(drafter, "config"):
-        drafter.config.draft_length = "full" if method.endswith("_full") else "auto"
+        drafter.config.draft_length = "full" if method.removesuffix(LOOKUP).endswith("_full") else "auto"
         drafter.config.lookup_tokens = LOOKUP_TOKENS if method.endswith(LOOKUP) else 0
     kwargs = {"assistant_model": drafter}
     if method == "dflash_builtin":
@@ -344,10 +345,11 @@ def bench_main(args) -> int:
     if args.concurrency:
         methods = [m for m in methods if m in ("mtp", "dflash", "dfly")] + ["ar"]
     given = dict(item.split("=", 1) for item in args.drafters.split(",") if item) if args.drafters else {}
-    unknown = set(methods) - set(METHODS) - set(given) - {label + LOOKUP for label in given}
+    full_lookups = {m + LOOKUP for m in HOOK_METHODS if m.endswith("_full")}  # whole blocks with lookups
+    unknown = set(methods) - set(METHODS) - full_lookups - set(given) - {label + LOOKUP for label in given}
     if unknown or "ar" not in methods:
-        raise SystemExit(f"--methods must include 'ar' and come from {METHODS} or the labels of --drafters; got "
-                         f"{sorted(unknown)}")
+        raise SystemExit(f"--methods must include 'ar' and come from {METHODS}, {sorted(full_lookups)} or the labels "
+                         f"of --drafters; got {sorted(unknown)}")
     target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     drafters, untrained = {}, []
     needed = {drafter_of(m) for m in methods if drafter_of(m) in DRAFTER_OF.values()}
@@ -406,7 +408,8 @@ def add_bench_parser(sub) -> None:
                            description="Speculative methods side by side on the same prompts, interleaved in one run: "
                            "τ, tokens/s, speed-up over plain generate and greedy identity, as a table, JSON and plots.")
     bench.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
-    bench.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
+    bench.add_argument("--methods", default=",".join(METHODS),
+                       help=f"comma list of {METHODS}; also dfly_full+lookup (mtp_, dflash_): whole blocks with lookups")
     bench.add_argument("--drafters", default="",
                        help="family=folder/id pairs, e.g. dfly=runs/dfly,mtp=runs/mtp; any other label=folder adds "
                             "a method of that name (name it in --methods), e.g. dfly8k=my-dfly-8k")

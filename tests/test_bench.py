@@ -127,6 +127,28 @@ def test_each_method_sets_its_drafters_whatever_ran_before():
                    for d in (drafters["mtp"], drafters["dfly"]))
     method_kwargs("dfly_full", drafters)
     assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == 0
+    method_kwargs("dfly_full+lookup", drafters)  # whole blocks, and a lookup whenever one matches
+    assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == LOOKUP_TOKENS
+
+
+def test_whole_blocks_with_lookups_run_when_named(tmp_path):
+    """`<family>_full+lookup` is not in the default list but runs when named, lossless, with lookup rounds; a name
+    that is none of the methods is refused."""
+    target, tokenizer = tiny_chat_target()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Repeat: one two three, one two three, one two three."}) + "\n")
+    args = ["bench", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--prompts-per-set", "1",
+            "--max-new-tokens", "24", "--temperatures", "0", "--threads", "1", "--linear-kernels", "stock",
+            "--out", str(tmp_path / "out")]
+    assert main(args + ["--methods", "ar,dfly_full+lookup"]) == 0
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {r["method"] for r in result["summary"]} == {"ar", "dfly_full+lookup"}
+    assert all(r["identical"] for r in result["summary"])
+    assert all(r["lookup_rounds"] is not None for r in result["records"] if r["method"] == "dfly_full+lookup")
+    with pytest.raises(SystemExit, match="dfly_full\\+lookup"):
+        main(args + ["--methods", "ar,dfly_whole+lookup"])
 
 
 def test_draft_stop_threshold_is_set_for_every_drafter_alike():
