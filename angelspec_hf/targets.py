@@ -102,10 +102,10 @@ def _save_dequantised(model, folder: Path) -> None:
 def load_target(name_or_path: str | None = None, dtype=None, device=None):
     """`(model, tokenizer)` for a Hub id / local folder, or the embedded SmolLM2 target when `name_or_path` is None,
     in eval mode on `device` in `dtype`, with `angelspec_sdpa` attention where it ran `sdpa` (`angelspec_hf.attention`:
-    the same outputs, a cheaper multi-token forward on the CPU). `device`: None → the CPU (as `from_pretrained` loads), "auto" → CUDA when
-    available, or any name `angelspec_hf.devices.resolve_device` reads; `dtype`: None / "auto" → float32 on the CPU,
-    bfloat16 on CUDA (`resolve_dtype`), or a `torch.dtype` / name. Raises `DeviceError` for a device this machine
-    lacks, before anything is loaded."""
+    the same outputs, a cheaper multi-token forward on the CPU). `device`: None → the CPU (as `from_pretrained`
+    loads), "auto" → CUDA when available, or any name `angelspec_hf.devices.resolve_device` reads; `dtype`: None /
+    "auto" → float32 on the CPU, bfloat16 on CUDA (`resolve_dtype`), or a `torch.dtype` / name. Raises `DeviceError`
+    for a device this machine lacks, before anything is loaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from angelspec_hf.attention import use_gqa_sdpa
