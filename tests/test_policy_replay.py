@@ -58,6 +58,8 @@ def test_every_policy_accounts_for_every_token(target):
             assert sum(1 + accepted for _, _, accepted in result["rounds"]) == trace["generated"] - 1
             assert all(accepted <= k for _, k, accepted in result["rounds"])
         seconds[variant] = sum(r["seconds"] for r in results)
+        if variant == "oracle":  # it verifies only what the target accepts, and no round of it is slower than plain
+            assert all(accepted == k for result in results for _, k, accepted in result["rounds"])
     plain = sum(r["plain_seconds"] for r in results)
-    assert seconds["oracle"] <= min(plain, seconds["full"]) + 1e-9  # it may always take the plain step
+    assert seconds["oracle"] <= plain + 1e-9
     assert policy_replay.summary(results)["forwards"] == sum(len(r["rounds"]) for r in results)
