@@ -137,9 +137,9 @@ class DraftLengthPolicy:
         of its context: a lookup's acceptance is calibrated per position and confidence, which cannot tell a loop from
         a chance match; docs/benchmarks.md, "Lookups that learn a loop"), and when it `matched` at least
         `WHOLE_LOOKUP_MATCH` tokens and a step over all of it costs at most `WHOLE_LOOKUP_COST` plain steps: the
-        calibration learns only the lookups it verifies, and a few early misses of 2-token matches stopped them for
-        good while they out-accepted the drafter's blocks at the same places (docs/benchmarks.md, "Replaying the
-        policy on recorded drafts"). Reads the context and past rounds only."""
+        calibration learns only from the lookups it verifies, so a few early misses could keep 2-token matches from
+        being verified at all where they out-accepted the drafter's blocks (docs/benchmarks.md, "Replaying the policy
+        on recorded drafts"). Reads the context and past rounds only."""
         if repeating:
             return available
         if matched >= self.WHOLE_LOOKUP_MATCH and self.step(1 + available) <= self.WHOLE_LOOKUP_COST * self.step(1):
