@@ -9,7 +9,8 @@ would accept, and measures a cost table (`measure_costs`: target forwards over 1
 1 .. K tokens, interleaved). `--replay` walks each output as the hook does (`modeling/candidate_generator.py`: a lookup
 when the policy verifies one, else a drafted round or a plain step, a shadow probe where due) under each variant:
 `default` (a real `DraftLengthPolicy` learning from the table's costs, each observation times log-normal noise),
-`full` (`WholeBlocks`: `draft_length="full"`), `both` (block and lookup verified in one forward) and `oracle` (each
+`whole_lookups` (the same, but a lookup matched on 2+ tokens verified whole, others not at all), `full`
+(`WholeBlocks`: `draft_length="full"`), `both` (block and lookup verified in one forward) and `oracle` (each
 round's best choice, knowing what the target will accept). Each round is charged its table cost, `--overhead` per
 target forward and `--round-overhead` more per verifying round (calibrate both against a timed run of whole blocks,
 whose rounds the replay reproduces exactly: `tests/test_policy_replay.py`). Policies are so compared on the same
@@ -17,7 +18,7 @@ rounds' outcomes, free of the timing noise of a shared machine; the speed-ups ar
 
     python benchmarks/policy_replay.py --record replay.pt [--prompts 10] [--sets gsm8k,gpteacher_codegen,sharegpt]
     python benchmarks/policy_replay.py --replay replay.pt [--overhead 0.007] [--round-overhead 0.004] [--seeds 3] \
-        [--noise 0.05] [--profile-noise 0] [--drift 0] [--variants default,full,both,oracle]
+        [--noise 0.05] [--profile-noise 0] [--drift 0] [--variants default,whole_lookups,full,both,oracle]
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ class WholeBlocks:
     def new_sequence(self):
         pass
 
-    def lookup_length(self, confidence, available, draft_tokens, repeating=False, matched=0):
-        return available if matched >= 2 else 0
+    def lookup_length(self, confidence, available, draft_tokens, repeating=False):
+        return available if round(confidence * self.max_ngram) >= 2 else 0
 
     def start_round(self, max_tokens):
         self.survival, self.drafted = 1.0, 0
@@ -187,7 +188,7 @@ def hook_round(policy, block, lookup, num_tokens, available, max_ngram, repeatin
     peaks, _ = block
     n = lookup[0]
     if n and available:
-        k = policy.lookup_length(n / max_ngram, available, num_tokens, repeating=repeating, matched=n)
+        k = policy.lookup_length(n / max_ngram, available, num_tokens, repeating=repeating)
         if k:
             return "lookup", k
     if not policy.start_round(num_tokens):
@@ -303,11 +304,14 @@ def replay_all(traces, costs, variant, overhead, noise, seed, max_tokens, profil
     else:
         profiled = dict(costs, step=[t * rng.lognormvariate(0.0, profile_noise) for t in costs["step"]])
         policy = DraftLengthPolicy(profile_from(profiled), max_tokens)
+        if variant == "whole_lookups":  # lookups as `_full` takes them, the rest as the cost-aware policy does
+            policy.lookup_length = lambda confidence, available, draft_tokens, repeating=False: (
+                available if round(confidence * 3) >= 2 else 0)
     speed = {"sigma": drift[0], "rounds": drift[1], "log": 0.0}
     return [replay(t, policy, costs, overhead, noise, rng, round_overhead=round_overhead, drift=speed) for t in traces]
 
 
-VARIANTS = ("default", "full", "both", "oracle")
+VARIANTS = ("default", "whole_lookups", "full", "both", "oracle")
 
 
 def main() -> None:
@@ -354,7 +358,7 @@ def main() -> None:
         print(f"{len(traces)} outputs; step ms", [round(1e3 * s, 1) for s in costs["step"]], "draft ms",
               [round(1e3 * s, 1) for s in costs["draft"]], f"overhead {1e3 * args.overhead:.1f} ms (+{1e3 * args.round_overhead:.1f} a verifying round)")
         for name in args.variants.split(","):
-            seeds = args.seeds if name == "default" else 1  # the others do not learn from timings
+            seeds = args.seeds if name in ("default", "whole_lookups") else 1  # the others do not learn from timings
             speed = {s: [] for s in sets + ["all"]}
             counts = []
             for seed in range(seeds):

@@ -259,7 +259,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         confidence = n / self.lookup_max_ngram
         if self.policy is not None:
             tokens = tokens[: self.policy.lookup_length(confidence, len(tokens), num_tokens,
-                                                        repeating=self._repeating, matched=n)]
+                                                        repeating=self._repeating)]
         elif n < 2:
             tokens = []
         if not tokens:

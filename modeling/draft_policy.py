@@ -32,8 +32,6 @@ class DraftLengthPolicy:
     alone: `QuietWindow`)."""
 
     SAVE_EVERY = 32  # timed rounds between write-backs of the refined costs to the cache file
-    # a lookup matched on this many tokens is verified whole where that verify costs at most so many plain steps
-    WHOLE_LOOKUP_MATCH, WHOLE_LOOKUP_COST = 2, 1.5
 
     def __init__(self, costs: RoundCosts, max_tokens: int, probe_every: int = 4, max_backoff: int = 64,
                  measure: bool = True, shadow_probes: bool = True, device="cpu"):
@@ -128,21 +126,14 @@ class DraftLengthPolicy:
                 return True
         return False
 
-    def lookup_length(self, confidence: float, available: int, draft_tokens: int, repeating: bool = False,
-                      matched: int = 0) -> int:
+    def lookup_length(self, confidence: float, available: int, draft_tokens: int, repeating: bool = False) -> int:
         """How many tokens of an n-gram lookup continuation (`available`, matched with `confidence` = matched length
         / longest) to verify: the length with the best expected tokens per second (a lookup costs no drafting), or 0
-        when a drafted round or a plain step is expected to do better. The whole continuation is verified instead
-        when `repeating` (the round before verified a lookup and accepted all of it, so the text is repeating a span
-        of its context: a lookup's acceptance is calibrated per position and confidence, which cannot tell a loop from
-        a chance match; docs/benchmarks.md, "Lookups that learn a loop"), and when it `matched` at least
-        `WHOLE_LOOKUP_MATCH` tokens and a step over all of it costs at most `WHOLE_LOOKUP_COST` plain steps: the
-        calibration learns only from the lookups it verifies, so a few early misses could keep 2-token matches from
-        being verified at all where they out-accepted the drafter's blocks (docs/benchmarks.md, "Replaying the policy
-        on recorded drafts"). Reads the context and past rounds only."""
+        when a drafted round or a plain step is expected to do better. `repeating`: the round before verified a lookup
+        and accepted all of it, so the text is repeating a span of its context, and the whole continuation is
+        verified (a lookup's acceptance is calibrated per position and confidence, which cannot tell a loop from a
+        chance match: docs/benchmarks.md, "Lookups that learn a loop"). Reads the context and past rounds only."""
         if repeating:
-            return available
-        if matched >= self.WHOLE_LOOKUP_MATCH and self.step(1 + available) <= self.WHOLE_LOOKUP_COST * self.step(1):
             return available
         best_k, best, survival, tokens = 0, self.best_rate(draft_tokens), 1.0, 1.0
         for k in range(1, available + 1):

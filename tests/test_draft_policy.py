@@ -717,39 +717,21 @@ def test_a_lookup_after_a_lookup_accepted_whole_is_verified_whole():
     assert policy.lookup_length(1.0, 10, 4, repeating=True) == 10
 
 
-def test_a_lookup_matched_on_two_tokens_is_verified_whole_where_that_verify_is_cheap():
-    """A lookup matched on `WHOLE_LOOKUP_MATCH` (2) tokens or more is verified whole when a step over all of it costs
-    at most `WHOLE_LOOKUP_COST` (1.5) plain steps, whatever the calibration says of it; a one-token match, or a verify
-    that costs more, is left to the calibration."""
-    flat = policy_with(step=(0.06, 0.002))  # 11 tokens: 1.3 plain steps
-    for _ in range(60):
-        flat.observe_lookup(2 / 3, 4, 0, None)  # 2-token matches missed at their first token so far
-    assert flat.lookup_length(2 / 3, 10, 4, matched=2) == 10
-    assert flat.lookup_length(1.0, 10, 4, matched=3) == 10
-    assert flat.lookup_length(2 / 3, 10, 4) == 0  # the calibration alone would not take it
-    assert flat.lookup_length(1 / 3, 10, 4, matched=1) < 10
-    steep = policy_with(step=(0.02, 0.02))  # 11 tokens: 5.6 plain steps
-    for _ in range(60):
-        steep.observe_lookup(2 / 3, 4, 0, None)
-    assert steep.lookup_length(2 / 3, 10, 4, matched=2) == 0
-
-
 def test_the_hook_tells_the_policy_when_the_round_before_was_a_lookup_accepted_whole():
     """Through `generate()`: `repeating` is passed exactly when the round before verified a lookup and accepted all
     of it (recomputed here from what the policy observed), it happens (a looping greedy reply), and the output is
-    still plain greedy decoding's; `matched` is the n-gram length the confidence was computed from."""
+    still plain greedy decoding's."""
     target = tiny_target()
     drafter = tiny_drafter("dfly", target, draft_length="auto", lookup_tokens=6)
-    seen, matches = [], []
+    seen = []
 
     class Recording(DraftLengthPolicy):
         last = None  # ("lookup", proposed, accepted) or "other": the round before
 
-        def lookup_length(self, confidence, available, draft_tokens, repeating=False, matched=0):
+        def lookup_length(self, confidence, available, draft_tokens, repeating=False):
             expected = isinstance(self.last, tuple) and self.last[2] >= self.last[1]
             seen.append((repeating, expected))
-            matches.append((confidence, matched))
-            return super().lookup_length(confidence, available, draft_tokens, repeating=repeating, matched=matched)
+            return super().lookup_length(confidence, available, draft_tokens, repeating=repeating)
 
         def observe_lookup(self, confidence, proposed, accepted, step_seconds):
             self.last = ("lookup", proposed, accepted)
@@ -766,5 +748,3 @@ def test_the_hook_tells_the_policy_when_the_round_before_was_a_lookup_accepted_w
     assert torch.equal(out, target.generate(prompt, max_new_tokens=40, do_sample=False))
     assert seen and all(repeating == expected for repeating, expected in seen), seen
     assert any(repeating for repeating, _ in seen), seen  # the test's power: a lookup was accepted whole
-    longest = drafter.config.lookup_max_ngram  # and the matched length comes with the confidence it gives
-    assert all(1 <= m <= longest and c == pytest.approx(m / longest) for c, m in matches), matches

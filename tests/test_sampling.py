@@ -207,7 +207,7 @@ def test_ngram_lookup_rounds_keep_sampling_exact(target, monkeypatch):
     class EveryOtherLookup(DraftLengthPolicy):  # timing-independent: lookups whenever on offer, every other call
         calls = 0
 
-        def lookup_length(self, confidence, available, draft_tokens, repeating=False, matched=0):
+        def lookup_length(self, confidence, available, draft_tokens, repeating=False):
             EveryOtherLookup.calls += 1
             return available if EveryOtherLookup.calls % 2 else 0
 
