@@ -305,8 +305,7 @@ def replay_all(traces, costs, variant, overhead, noise, seed, max_tokens, profil
         profiled = dict(costs, step=[t * rng.lognormvariate(0.0, profile_noise) for t in costs["step"]])
         policy = DraftLengthPolicy(profile_from(profiled), max_tokens)
         if variant == "whole_lookups":  # lookups as `_full` takes them, the rest as the cost-aware policy does
-            policy.lookup_length = lambda confidence, available, draft_tokens, repeating=False: (
-                available if round(confidence * 3) >= 2 else 0)
+            policy.lookup_length = WholeBlocks().lookup_length
     speed = {"sigma": drift[0], "rounds": drift[1], "log": 0.0}
     return [replay(t, policy, costs, overhead, noise, rng, round_overhead=round_overhead, drift=speed) for t in traces]
 
