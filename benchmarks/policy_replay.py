@@ -39,6 +39,7 @@ from angelspec_hf.prompts import chat_input_ids
 from angelspec_hf.shipped import trained_drafter
 from angelspec_hf.trainer.evaluation import held_out_prompts
 from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
+from angelspec_hf.modeling.drafter_utils import greedy_select
 
 REGENERATED = Path(__file__).resolve().parent.parent / "data" / "regenerated"
 
@@ -72,9 +73,9 @@ def record_prompt(target, drafter, input_ids, max_new_tokens: int) -> dict:
         peaks = []
 
         def select(logits, j):
-            probs = torch.softmax(logits.float(), -1)
-            peaks.append(float(probs.max()))
-            return logits.argmax(-1), logits, None
+            token, q, peak = greedy_select(logits, j)
+            peaks.append(float(peak[0]))
+            return token, q, peak
 
         context = features[:, state.context_length:anchor]
         draft, _ = drafter.propose(state, context, out[:, : anchor + 1].to(drafter.device), drafter.num_draft_tokens,
@@ -98,7 +99,7 @@ def measure_costs(target, drafter, context: int = 160, new: int = 3, repeats: in
 
     longest = max(drafter.num_draft_tokens, int(getattr(drafter.config, "lookup_tokens", 0) or 0)) + 1
     layers = [i + 1 for i in drafter.config.target_layer_ids]
-    size = context + longest + new * repeats
+    size = context + max(longest, new)
     ids = torch.randint(3, target.config.vocab_size, (1, size), generator=torch.Generator().manual_seed(0))
     out = target(input_ids=ids, output_hidden_states=layers)
     features = torch.cat([out.hidden_states[i] for i in layers], -1).to(drafter.device, drafter.dtype)
@@ -107,9 +108,9 @@ def measure_costs(target, drafter, context: int = 160, new: int = 3, repeats: in
     embed, head = target.get_input_embeddings(), drafter.draft_lm_head(target.get_output_embeddings())
 
     def select(logits, j):
-        peak = torch.softmax(logits.float(), -1).amax(-1)
+        token, q, peak = greedy_select(logits, j)
         float(peak[0])  # the hook reads each confidence on the host
-        return logits.argmax(-1), logits, peak
+        return token, q, peak
 
     steps = {n: [] for n in range(1, longest + 1)}
     drafts = {k: [] for k in range(1, drafter.num_draft_tokens + 1)}
