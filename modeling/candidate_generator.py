@@ -40,6 +40,27 @@ def acceptance_probability(target_logits: torch.Tensor, draft_probs: torch.Tenso
     return float(torch.minimum(p, draft_probs.to(p.device, torch.float32)).sum())
 
 
+def draw_token(probs: torch.Tensor, ids: torch.LongTensor | None = None) -> torch.Tensor:
+    """One token id per row of `probs` `[B, V]`, drawn from it with the global random generator (`torch.manual_seed`
+    sets it), by inverse CDF (`sample_from`): exact, never a token of probability zero, and over a 49k vocabulary
+    ~0.06 ms where `torch.multinomial` takes ~1.3 ms on a 2-core CPU. `ids` `[V]`: the token id of each column (a
+    pruned draft vocabulary's rows); None: the column index is the id."""
+    from angelspec_hf.tgi_patch.engine.sampling import sample_from  # here: the engine imports this module
+
+    index = sample_from(probs, torch.rand(probs.shape[0], device=probs.device))
+    return index if ids is None else ids[index]
+
+
+@functools.cache
+def row_processors() -> tuple[type, ...]:
+    """transformers' logits processors whose output at a token depends only on the row's values, never on token ids
+    or the context, and which leave -inf entries at -inf: applied to a pruned head's rows alone they give that row's
+    entries of their output over the full vocabulary (whose other entries are -inf, probability zero)."""
+    from transformers.generation import logits_process as lp
+
+    return (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper)
+
+
 def mean_accepted_length(accepted: int, rounds: int) -> float:
     """τ: tokens gained per target forward over `rounds` verification rounds that accepted `accepted` draft tokens in
     all, the bonus/correction token of each round included; NaN without rounds."""
@@ -93,6 +114,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.target_embeddings = target.get_input_embeddings()
         self.target_lm_head = drafter.draft_lm_head(target.get_output_embeddings())  # pruned rows, if any
+        self._draft_ids = getattr(self.target_lm_head, "ids", None)  # a pruned head's target ids (sorted), or None
+        self._row_processors = all(type(p) in row_processors() for p in (logits_processor or ()))
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
         self.lookup_max_ngram = int(getattr(drafter.config, "lookup_max_ngram", 3) or 3)
@@ -132,15 +155,39 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
 
     def _select(self, logits: torch.Tensor, j: int):
         """`select` for `drafter.draft`: process draft position j's logits like the target's, then pick: argmax or a
-        sample. Returns `(token, processed logits, peak probability)`."""
-        logits, probs = self._processed(logits)
-        if self.do_sample:
-            token = torch.multinomial(probs, num_samples=1).squeeze(-1)
+        sample (`draw_token`). Returns `(token, processed logits, peak probability)`.
+
+        With a pruned head (`PrunedLMHead`: -inf outside the draft vocabulary) and no processor, or only processors
+        that read nothing but the row's own values (`row_processors()`: temperature, top-k, top-p, min-p), the work is
+        done on the draft vocabulary's rows alone: the same token and distribution as over the full vocabulary, whose
+        other entries stay -inf, without the passes over all of it (over 49k entries on a 2-core CPU: ~0.13 ms a
+        position greedy, ~0.3 ms sampling with top-k). Greedy without processors needs no softmax at all."""
+        rows_only = self._draft_ids is not None and self._row_processors
+        if not self.do_sample and not self.logits_processor:
+            rows = logits.index_select(-1, self._draft_ids).float() if rows_only else logits.float()
+            best, index = rows.max(dim=-1)
+            peak = 1.0 / torch.exp(rows - best[:, None]).sum(dim=-1)
+            token = self._draft_ids[index] if rows_only else index
+            self._prefix = torch.cat([self._prefix, token[:, None]], dim=-1)
+            self._round_probs.append(float(peak[0]))
+            return token, logits, peak
+        if rows_only and self.do_sample:
+            rows = logits.index_select(-1, self._draft_ids).float()
+            if self.logits_processor:
+                rows = self.logits_processor(self._prefix, rows)
+            probs = torch.softmax(rows, dim=-1)
+            token = draw_token(probs, self._draft_ids)
+            peak = probs.max(dim=-1).values
+            column = torch.searchsorted(self._draft_ids, token[:1]).clamp(max=len(self._draft_ids) - 1)
+            self._round_probs.append(float(probs[0, column[0]]) if self._draft_ids[column[0]] == token[0] else 0.0)
+            logits = rows.new_full(logits.shape, float("-inf")).index_copy_(-1, self._draft_ids, rows)
         else:
-            token = logits.argmax(dim=-1)
+            logits, probs = self._processed(logits)
+            token = draw_token(probs) if self.do_sample else logits.argmax(dim=-1)
+            peak = probs.max(dim=-1).values
+            self._round_probs.append(float(probs[0, token[0]]))
         self._prefix = torch.cat([self._prefix, token[:, None]], dim=-1)
-        self._round_probs.append(float(probs[0, token[0]]))
-        return token, logits, probs.max(dim=-1).values
+        return token, logits, peak
 
     def _keep_going(self, peak: torch.Tensor, j: int) -> bool:
         """`keep_going` for `drafter.draft`, after position j is drawn: the draft-length policy's verdict from the

@@ -106,3 +106,66 @@ def test_the_budget_is_filled_from_prompt_tokens_after_response_tokens():
     from collections import Counter
 
     assert choose_draft_vocab(Counter({7: 3}), 3, always=[2], fill=Counter({9: 5, 7: 9, 4: 1})) == [2, 7, 9]
+
+
+@pytest.mark.parametrize("pruned", [True, False])
+def test_greedy_select_reads_the_draft_rows_and_picks_what_the_full_vocabulary_argmax_picks(pruned):
+    """The hook's greedy `_select` without logits processors works on the pruned head's rows only: the same token
+    (the first of tied maxima, as an argmax over the full vocabulary picks) and the same peak probability."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    if pruned:
+        drafter.set_draft_vocab(SUBSET)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    generator = drafter.get_candidate_generator(target, prompt, GenerationConfig(do_sample=False, max_length=16),
+                                                LogitsProcessorList())
+    head = generator.target_lm_head
+    with torch.no_grad():
+        rows = [head(row[None]) for row in torch.randn(5, 32)]
+    tied = rows[0].clone()
+    tied[0, SUBSET[7]] = tied[0, SUBSET[3]] = tied.max() + 1.0  # two maxima: the first (smaller id) is chosen
+    for logits in [*rows, tied]:
+        generator._prefix = prompt
+        token, q, peak = generator._select(logits, 0)
+        assert token.tolist() == logits.argmax(-1).tolist()
+        torch.testing.assert_close(peak, torch.softmax(logits, -1).amax(-1))
+        assert q is logits and generator._prefix[0, -1] == token[0]
+    assert tied.argmax(-1).item() == SUBSET[3]
+
+
+def test_sampled_select_on_the_draft_rows_gives_the_full_vocabularys_processed_distribution():
+    """Sampling through a pruned head with temperature / top-k / top-p / min-p: `_select` processes only the draft
+    vocabulary's rows, and returns exactly the q that processing the full-vocabulary logits gives; its draws follow
+    q (zero outside it). A processor that reads token ids (repetition penalty) takes the full-vocabulary path."""
+    from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    target = tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    drafter.set_draft_vocab(SUBSET)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    head = drafter.draft_lm_head(target.get_output_embeddings())
+    with torch.no_grad():
+        logits = head(torch.randn(1, 32) * 4)
+    chains = [[TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.9)],
+              [TopKLogitsWarper(50)], [MinPLogitsWarper(0.1)], [RepetitionPenaltyLogitsProcessor(1.5)], []]
+    for chain in chains:
+        processors = LogitsProcessorList(chain)
+        generator = drafter.get_candidate_generator(target, prompt, GenerationConfig(do_sample=True, max_length=16),
+                                                    processors)
+        assert generator._row_processors == all(not isinstance(p, RepetitionPenaltyLogitsProcessor) for p in chain)
+        expected = processors(prompt, logits.clone())
+        counts = torch.zeros(logits.shape[-1])
+        torch.manual_seed(0)
+        for _ in range(400):
+            generator._prefix, generator._round_probs = prompt, []
+            token, q, peak = generator._select(logits, 0)
+            torch.testing.assert_close(q, expected)
+            p = torch.softmax(expected, -1)
+            torch.testing.assert_close(peak, p.amax(-1))
+            torch.testing.assert_close(torch.tensor(generator._round_probs[0]), p[0, token[0]])
+            counts[token[0]] += 1
+        assert (counts[p[0] == 0] == 0).all() and (counts > 0).sum() > 1
+        assert abs(counts / 400 - p[0]).max() < 0.1

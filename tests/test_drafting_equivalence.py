@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from angelspec_hf.modeling import candidate_generator
 from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, generate_batch
 from angelspec_hf.tgi_patch.engine.paged import PagedKVPool
@@ -154,12 +155,17 @@ def _hook_draft_distribution(twin, drafter, context, forced, sampling, monkeypat
     `context[-1]`, then the K draws of the first drafting round to `forced`, so the hook drafts after exactly this
     context and drafted prefix; every later draw (verification) is left random."""
     queue = [context[-1], *forced]
-    real = torch.multinomial
+    real, real_draw = torch.multinomial, candidate_generator.draw_token
 
-    def multinomial(probs, num_samples, *args, **kwargs):
+    def multinomial(probs, num_samples, *args, **kwargs):  # transformers' draws: the prefill's first
         if queue and probs.shape[0] == 1 and num_samples == 1:
             return torch.tensor([[queue.pop(0)]], device=probs.device)
         return real(probs, num_samples, *args, **kwargs)
+
+    def draw_token(probs, ids=None):  # the hook's draft draws
+        if queue and probs.shape[0] == 1:
+            return torch.tensor([queue.pop(0)], device=probs.device)
+        return real_draw(probs, ids)
 
     seen = []
     get_candidates = AngelSpecCandidateGenerator.get_candidates
@@ -172,6 +178,7 @@ def _hook_draft_distribution(twin, drafter, context, forced, sampling, monkeypat
 
     with monkeypatch.context() as m:
         m.setattr(torch, "multinomial", multinomial)
+        m.setattr(candidate_generator, "draw_token", draw_token)
         m.setattr(AngelSpecCandidateGenerator, "get_candidates", record)
         twin.generate(torch.tensor([context[:-1]]), max_new_tokens=len(forced) + 2, do_sample=True,
                       eos_token_id=None, pad_token_id=0, assistant_model=drafter, **sampling)

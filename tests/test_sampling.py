@@ -13,7 +13,7 @@ import torch
 import transformers.generation.utils as generation_utils
 
 from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
-from stats import (ALPHA, PROMPT, ImpossibleSample, assert_power, exact_distribution, goodness_of_fit, marginal,
+from stats import (ALPHA, PROMPT, VOCAB, ImpossibleSample, assert_power, exact_distribution, goodness_of_fit, marginal,
                    peaked_drafter, report, sequence_fit, single_thread, spread_target, total_variation,
                    vector_distribution)
 
@@ -79,17 +79,31 @@ def _correction_from_p(monkeypatch):
     monkeypatch.setattr(generation_utils, "_speculative_sampling", wrong)
 
 
-WRONG_HOOK_RULES = {"draft q unprocessed": _raw_draft_q, "correction from p": _correction_from_p}
+def _draft_drawn_off_q(monkeypatch):
+    """Wrong rule: the hook's draw (`draw_token`) is off by one column (an inverse-CDF draw searching on the wrong
+    side), while verification is handed q itself."""
+    from angelspec_hf.modeling import candidate_generator
+
+    right = candidate_generator.draw_token
+    monkeypatch.setattr(candidate_generator, "draw_token", lambda probs, ids=None: right(probs.roll(1, -1), ids))
+
+
+WRONG_HOOK_RULES = {"draft q unprocessed": _raw_draft_q, "correction from p": _correction_from_p,
+                    "draft drawn off q": _draft_drawn_off_q}
 
 
 @pytest.mark.parametrize("family,new_tokens,wrong_rule", [("mtp", 3, "draft q unprocessed"),
                                                           ("dflash", 3, "correction from p"),
-                                                          ("dfly", 4, "draft q unprocessed")])
+                                                          ("dfly", 4, "draft q unprocessed"),
+                                                          ("dfly-pruned", 3, "draft drawn off q")])
 def test_speculative_sampling_is_exact_with_temperature_top_k_top_p(target, family, new_tokens, wrong_rule,
                                                                     monkeypatch):
     """T = 0.7, top-k 5, top-p 0.9 through the hook: every call drafts, drafts are accepted and (mostly) rejected,
-    and the output is exactly the processed target's; the wrong rule, and a sampler ignoring temperature, are not."""
-    drafter = peaked_drafter(family, target)
+    and the output is exactly the processed target's; the wrong rule, and a sampler ignoring temperature, are not.
+    `-pruned`: the drafter drafts over 5 of the 7 tokens, so the hook processes and draws on those rows alone."""
+    drafter = peaked_drafter(family.removesuffix("-pruned"), target)
+    if family.endswith("-pruned"):
+        drafter.set_draft_vocab(list(range(VOCAB - 2)))
     exact = exact_distribution(target, new_tokens, **PROCESSING)
     assert sum(p == 0 for p in exact.values()) > 0  # truncation really removes continuations
     assert total_variation(marginal(exact, 2), marginal(exact_distribution(target, 2), 2)) > 0.1  # processing matters
