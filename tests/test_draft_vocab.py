@@ -169,3 +169,25 @@ def test_sampled_select_on_the_draft_rows_gives_the_full_vocabularys_processed_d
             counts[token[0]] += 1
         assert (counts[p[0] == 0] == 0).all() and (counts > 0).sum() > 1
         assert abs(counts / 400 - p[0]).max() < 0.1
+
+
+def test_engine_greedy_selection_on_the_draft_columns_equals_the_full_vocabulary_one():
+    """The batched engine's all-greedy draft choice given a pruned head's ids reads only those columns: the same
+    tokens (ties to the smaller id) and the same D-Cut confidences as over the whole vocabulary."""
+    from angelspec_hf.policy import draft_confidence
+    from angelspec_hf.tgi_patch.engine import verification
+    from angelspec_hf.tgi_patch.engine.request import Request
+
+    ids = torch.tensor(SUBSET)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.full((12, 100), float("-inf"))
+    logits[:, ids] = torch.randn(12, len(SUBSET), generator=g) * 3
+    logits[0, [SUBSET[9], SUBSET[4]]] = logits[0].max() + 1.0  # a tie: the smaller id wins
+    requests = [Request(i, [1, 2], SamplingParams(max_new_tokens=8), 1000 + i, frozenset()) for i in range(12)]
+    full = verification.draft_selector(requests, logits.device, verification.process_requests, draft_confidence)
+    rows = verification.draft_selector(requests, logits.device, verification.process_requests, draft_confidence, ids)
+    token, q, confidence = rows(logits, 0)
+    expected_token, expected_q, expected_confidence = full(logits, 0)
+    assert token.tolist() == expected_token.tolist() == logits.argmax(-1).tolist() and token[0] == SUBSET[4]
+    assert q is None and expected_q is None
+    torch.testing.assert_close(confidence, expected_confidence)

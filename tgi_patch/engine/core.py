@@ -358,7 +358,8 @@ class SpeculativeEngine:
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])
         keep_going = self.policy.drafting_bound(pick(remaining), batch.num_decode, pick(batch.sampled[dec])
                                                 ) if self.early_stop_drafting else None
-        select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence)
+        select = verification.draft_selector(chosen, self.device, self._process, self.draft_confidence,
+                                             getattr(self.batch_drafter.lm_head, "ids", None))
         tokens, probs, conf = self.runner.draft(pick(batch.slots[dec]), k, select, keep_going,
                                                 slots_host=[batch.slots_host[n_pre + i] for i in rows_host])
         width = tokens.shape[1]  # k, or fewer where `keep_going` stopped
