@@ -114,8 +114,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.target_embeddings = target.get_input_embeddings()
         self.target_lm_head = drafter.draft_lm_head(target.get_output_embeddings())  # pruned rows, if any
-        self._draft_ids = getattr(self.target_lm_head, "ids", None)  # a pruned head's target ids (sorted), or None
-        self._row_processors = all(type(p) in row_processors() for p in (logits_processor or ()))
+        row_wise = all(type(p) in row_processors() for p in (logits_processor or ()))
+        # a pruned head's target ids (sorted): `_select` works on these rows alone; None: over the full vocabulary
+        self._draft_ids = getattr(self.target_lm_head, "ids", None) if row_wise else None
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
         self.lookup_max_ngram = int(getattr(drafter.config, "lookup_max_ngram", 3) or 3)
@@ -163,24 +164,24 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         other entries stay -inf, without the passes over all of it (`benchmarks/draft_choice.py`: on a 2-core CPU
         0.04 against 0.10 ms a position greedy, 0.22 against 0.51 ms sampling with top-k 50). Greedy without processors
         takes the argmax and the peak in one pass over the probabilities."""
-        rows_only = self._draft_ids is not None and self._row_processors
+        ids = self._draft_ids
         if not self.do_sample and not self.logits_processor:
-            rows = logits.index_select(-1, self._draft_ids) if rows_only else logits
+            rows = logits if ids is None else logits.index_select(-1, ids)
             peak, column = torch.softmax(rows.float(), dim=-1).max(dim=-1)
-            token = self._draft_ids[column] if rows_only else column
+            token = column if ids is None else ids[column]
             self._prefix = torch.cat([self._prefix, token[:, None]], dim=-1)
             self._round_probs.append(float(peak[0]))
             return token, logits, peak
-        if rows_only and self.do_sample:
-            rows = logits.index_select(-1, self._draft_ids).float()
+        if ids is not None and self.do_sample:
+            rows = logits.index_select(-1, ids).float()
             if self.logits_processor:
                 rows = self.logits_processor(self._prefix, rows)
             probs = torch.softmax(rows, dim=-1)
-            token = draw_token(probs, self._draft_ids)
+            token = draw_token(probs, ids)
             peak = probs.max(dim=-1).values
-            column = torch.searchsorted(self._draft_ids, token[:1]).clamp(max=len(self._draft_ids) - 1)
-            self._round_probs.append(float(probs[0, column[0]]) if self._draft_ids[column[0]] == token[0] else 0.0)
-            logits = rows.new_full(logits.shape, float("-inf")).index_copy_(-1, self._draft_ids, rows)
+            column = torch.searchsorted(ids, token[:1]).clamp(max=len(ids) - 1)  # the drawn token's row
+            self._round_probs.append(float(probs[0, column[0]]) if ids[column[0]] == token[0] else 0.0)
+            logits = rows.new_full(logits.shape, float("-inf")).index_copy_(-1, ids, rows)
         else:
             logits, probs = self._processed(logits)
             token = draw_token(probs) if self.do_sample else logits.argmax(dim=-1)

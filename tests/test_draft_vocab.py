@@ -155,7 +155,8 @@ def test_sampled_select_on_the_draft_rows_gives_the_full_vocabularys_processed_d
         processors = LogitsProcessorList(chain)
         generator = drafter.get_candidate_generator(target, prompt, GenerationConfig(do_sample=True, max_length=16),
                                                     processors)
-        assert generator._row_processors == all(not isinstance(p, RepetitionPenaltyLogitsProcessor) for p in chain)
+        assert (generator._draft_ids is not None) == all(not isinstance(p, RepetitionPenaltyLogitsProcessor)
+                                                         for p in chain)
         expected = processors(prompt, logits.clone())
         counts = torch.zeros(logits.shape[-1])
         torch.manual_seed(0)
