@@ -111,7 +111,8 @@ def test_generate_without_drafter_rounds_says_so(folders, capsys, monkeypatch, t
     assert "identical to plain : yes" in out
     assert SETTING.search(out)[1] == "no drafter rounds in 1 run; no n-gram lookups either"
     # The round costs the draft-length policy profiled (its warm-up): made to say drafting never pays, and every
-    # target step costs the same whatever it verifies. Every round is then a plain step or an n-gram lookup.
+    # target step costs the same whatever it verifies. Every round is then a plain step or an n-gram lookup (the
+    # policy also learns from the rounds it times, so whether a lookup pays varies with the machine's timings).
     [profile] = costs.glob("hook-*.json")
     data = json.loads(profile.read_text())
     profile.write_text(json.dumps(data | {"step_coef": [1e-3, 0.0], "plain_step": 1e-3, "draft_coef": [1e6, 1e6]}))
@@ -119,5 +120,6 @@ def test_generate_without_drafter_rounds_says_so(folders, capsys, monkeypatch, t
     assert "identical to plain : yes" in out
     line = SETTING.search(out)[1]
     assert re.fullmatch(r"no drafter rounds in 1 run( \(\d+ plain steps?, where drafting was not expected to pay\))?; "
-                        r"n-gram lookups: \d+\.\d\d tokens per target forward over [1-9]\d* rounds", line), line
+                        r"(n-gram lookups: \d+\.\d\d tokens per target forward over [1-9]\d* rounds"
+                        r"|no n-gram lookups either)", line), line
     assert "nan" not in line.lower()
