@@ -126,6 +126,12 @@ def _built_stream_extension(hint: str = ""):
     return ext
 
 
+@functools.cache
+def _stream_linear():
+    """The compiled kernel's `linear(x, packed, N, bias)`, looked up once (see `_built_stream_extension`)."""
+    return _built_stream_extension().linear
+
+
 def stream_available() -> bool:
     """Whether this library's weight-streaming kernel (`--linear-kernels stream`) is built for this machine (building
     it the first time: about 30 s)."""
@@ -190,24 +196,42 @@ class PrepackedLinear(nn.Linear):
             self._packed_of = version
         return self._packed
 
+    def _stream_packed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`_usable` and `_packed_weight` in one, for the weight-streaming kernel's hot path (a verify forward calls it
+        ~200 times, between kernels that evict Python's objects from the caches): the packed weight, or None where
+        `x` must take the stock kernel."""
+        w = self.weight
+        if not self.enabled or x.dtype != torch.float32 or x.device.type != "cpu" or (
+                torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+            return None
+        if self._packed_of != (w.data_ptr(), w._version, "stream"):
+            if w.device.type != "cpu" or w.dtype != torch.float32:
+                return None
+            return self._packed_weight()
+        return self._packed
+
     def __getstate__(self):  # the packed copy is an opaque oneDNN tensor: copies and pickles pack again when used
         state = super().__getstate__()
         return {**state, "_packed": None, "_packed_of": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = self.library
+        if library == "stream":
+            features = x.shape[-1]
+            if features and STREAM_MIN_ROWS <= x.numel() // features <= STREAM_MAX_ROWS:
+                packed = self._stream_packed(x)
+                if packed is not None:
+                    return _stream_linear()(x, packed, self.out_features, self.bias)
+            return nn.functional.linear(x, self.weight, self.bias)
         if library != "onednn":  # a row-count window: the plain decode step leaves at once, at nn.Linear's cost
             rows = x.numel() // max(1, x.shape[-1])
-            low, high = (MKL_MIN_ROWS, MKL_ROWS) if library == "mkl" else (STREAM_MIN_ROWS, STREAM_MAX_ROWS)
-            if not low <= rows <= high:
+            if not MKL_MIN_ROWS <= rows <= MKL_ROWS:
                 return nn.functional.linear(x, self.weight, self.bias)
         if not self._usable(x):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         if library == "mkl":
             return self._mkl_forward(x, rows, bias)
-        if library == "stream":
-            return self._stream_forward(x, rows, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
 
     def _mkl_forward(self, x: torch.Tensor, rows: int, bias) -> torch.Tensor:
@@ -216,13 +240,6 @@ class PrepackedLinear(nn.Linear):
             flat = torch.cat([flat, flat.new_zeros(MKL_ROWS - rows, self.in_features)])
         out = torch.ops.mkl._mkl_linear(flat.contiguous(), self._packed_weight(), self.weight.detach(), bias, MKL_ROWS)
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
-
-    def _stream_forward(self, x: torch.Tensor, rows: int, bias) -> torch.Tensor:
-        out = _built_stream_extension().linear(x.reshape(rows, self.in_features), self._packed_weight(),
-                                               self.out_features)
-        if bias is not None:
-            out += bias
-        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", prepacked={self.enabled}, library={self.library}"

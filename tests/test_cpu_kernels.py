@@ -135,6 +135,29 @@ def test_stream_kernels_are_applied_switched_and_undone():
     assert use_linear_kernels("stock", target).startswith("stock") and not is_prepacked(target)
 
 
+@needs_stream
+def test_the_stream_kernel_adds_the_bias_to_each_sum_and_keeps_the_leading_dimensions():
+    """The kernel takes rows of any leading shape (contiguous or not) and adds the bias to each finished sum: bit for
+    bit the product without bias plus the bias, and a bias that does not fit is named."""
+    from angelspec_hf.cpu_kernels import _built_stream_extension
+
+    kernel = _built_stream_extension()
+    torch.manual_seed(0)
+    weight, bias = torch.randn(70, 40), torch.randn(70)  # 70: a partial last block of 32 columns
+    packed = kernel.pack(weight)
+    x = torch.randn(2, 5, 40)
+    out = kernel.linear(x, packed, 70, bias)
+    assert out.shape == (2, 5, 70)
+    assert torch.equal(out, kernel.linear(x.reshape(10, 40), packed, 70).reshape(2, 5, 70) + bias)
+    strided = x.transpose(0, 1)
+    assert torch.equal(kernel.linear(strided, packed, 70), kernel.linear(strided.contiguous(), packed, 70))
+    assert torch.allclose(out, nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="a bias of 70 fp32 values"):
+        kernel.linear(x, packed, 70, torch.randn(69))
+    with pytest.raises(RuntimeError, match="does not fit rows"):
+        kernel.linear(torch.randn(3, 41), packed, 70)
+
+
 def test_stream_kernels_where_they_cannot_be_built_say_why(monkeypatch):
     from angelspec_hf import cpu_kernels
 
@@ -151,19 +174,20 @@ def test_stream_kernels_where_they_cannot_be_built_say_why(monkeypatch):
         by_hand(torch.randn(4, 24))
 
 
-def test_prepacking_keeps_the_parameters_and_follows_their_changes():
+@pytest.mark.parametrize("library", ["onednn", pytest.param("stream", marks=needs_stream)])
+def test_prepacking_keeps_the_parameters_and_follows_their_changes(library):
     target = tiny_target()
     target.config.tie_word_embeddings = True
     target.tie_weights()
     before = {k: v.clone() for k, v in target.state_dict().items()}
     lm_head = target.lm_head.weight
-    count = prepack_linears(target)
-    assert count == 4 * 7 + 1 and prepack_linears(target) == 0  # idempotent
+    count = prepack_linears(target, library)
+    assert count == 4 * 7 + 1 and prepack_linears(target, library) == 0  # idempotent
     assert is_prepacked(target) and isinstance(target.lm_head, PrepackedLinear)
     assert target.lm_head.weight is lm_head is target.model.embed_tokens.weight  # still tied, nothing copied
     after = target.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    ids = torch.tensor([[5, 6, 7, 8]])
+    ids = torch.tensor([[5, 6, 7, 8]])  # 4 rows: inside the streaming kernel's window
     with torch.no_grad():
         logits = target(ids).logits
         target.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # an in-place change: the packed copy is made again

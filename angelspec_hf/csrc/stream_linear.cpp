@@ -90,16 +90,28 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return packed;
 }
 
-// x [R, K] fp32, packed from a weight [N, K] -> x @ weight.T, [R, N] (rows in tiles of 12: a weight is read once a tile)
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-              "stream_linear.linear: 2-D fp32 CPU rows, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x.size(1) &&
+// x [..., K] fp32, packed from a weight [N, K], bias [N] or None -> x @ weight.T + bias, [..., N] (rows in tiles of
+// 12: a weight is read once a tile). The bias is added to each finished sum, as `out += bias` after the product would.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "stream_linear.linear: fp32 CPU rows, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x.size(-1) &&
                   packed.size(0) == (N + NB - 1) / NB && packed.is_contiguous(),
               "stream_linear.linear: packed weight ", packed.sizes(), " does not fit rows ", x.sizes(), " and ", N,
               " outputs");
-  const int64_t R = x.size(0), K = x.size(1), blocks = packed.size(0), tiles = (R + MR - 1) / MR;
-  auto y = torch::empty({R, N}, x.options());
+  const float* bp = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 && bias->device().is_cpu(),
+                "stream_linear.linear: a bias of ", N, " fp32 values, got ", bias->sizes(), " ", bias->scalar_type());
+    bc = bias->contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  const int64_t K = x.size(-1), R = K == 0 ? 0 : x.numel() / K, blocks = packed.size(0), tiles = (R + MR - 1) / MR;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  auto y = torch::empty(shape, x.options());
   if (R == 0 || N == 0) return y;
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
@@ -116,7 +128,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
       const int64_t ncols = std::min(NB, N - b * NB);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t r0 = t * MR, rows = std::min(MR, R - r0);
-        kTiles[rows](xt.data() + t * MR * K, K, wp + b * K * NB, yp + r0 * N + b * NB, N, ncols);
+        float* yb = yp + r0 * N + b * NB;
+        kTiles[rows](xt.data() + t * MR * K, K, wp + b * K * NB, yb, N, ncols);
+        if (bp != nullptr)
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t c = 0; c < ncols; ++c) yb[m * N + c] += bp[b * NB + c];
       }
     }
   });
@@ -125,5 +141,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack an fp32 weight [N, K] into 32-column blocks");
-  m.def("linear", &linear, "x @ weight.T from the packed weight");
+  m.def("linear", &linear, "x @ weight.T + bias from the packed weight", py::arg("x"), py::arg("packed"),
+        py::arg("N"), py::arg("bias") = py::none());
 }
