@@ -152,6 +152,12 @@ def _library_available(library: str) -> bool:
     return mkl_pack_available() if library == "mkl" else prepack_available()
 
 
+def _needs_grad(linear: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether autograd must see this forward: the input, the weight or the bias (a frozen weight with a trained bias,
+    as BitFit trains) requires a gradient. The packed kernels record no graph, so such a forward takes `F.linear`."""
+    return x.requires_grad or linear.weight.requires_grad or (linear.bias is not None and linear.bias.requires_grad)
+
+
 class PrepackedLinear(nn.Linear):
     """An `nn.Linear` whose inference forward reads a packed copy of its weight (see the module docstring): oneDNN's
     for every forward (`library = "onednn"`), MKL's for forwards of `MKL_MIN_ROWS` to `MKL_ROWS` rows (`"mkl"`), or
@@ -179,7 +185,7 @@ class PrepackedLinear(nn.Linear):
     def _usable(self, x: torch.Tensor) -> bool:
         w = self.weight
         return (self.enabled and w.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32
-                and x.numel() > 0 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+                and x.numel() > 0 and not (torch.is_grad_enabled() and _needs_grad(self, x)))
 
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
@@ -202,7 +208,7 @@ class PrepackedLinear(nn.Linear):
         `x` must take the stock kernel."""
         w = self.weight
         if not self.enabled or x.dtype != torch.float32 or x.device.type != "cpu" or (
-                torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+                torch.is_grad_enabled() and _needs_grad(self, x)):
             return None
         if self._packed_of != (w.data_ptr(), w._version, "stream"):
             if w.device.type != "cpu" or w.dtype != torch.float32:

@@ -199,6 +199,21 @@ def test_prepacking_keeps_the_parameters_and_follows_their_changes(library):
     assert not torch.allclose(logits, changed, atol=1e-3) and torch.allclose(changed, stock, atol=1e-4)
 
 
+@pytest.mark.parametrize("library", ["onednn", pytest.param("mkl", marks=needs_mkl),
+                                     pytest.param("stream", marks=needs_stream)])
+def test_a_trained_bias_beside_a_frozen_weight_gets_its_gradient(library):
+    """BitFit-style training (the weight frozen, the bias trained) takes the stock kernel, which autograd sees: the
+    bias gets the gradient `nn.Linear` gives it."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40)
+    linear.weight.requires_grad_(False)
+    packed = PrepackedLinear.from_linear(copy.deepcopy(linear), library)
+    x = torch.randn(1, 8, 24)  # 8 rows: inside every packed kernel's window
+    packed(x).square().sum().backward()
+    linear(x).square().sum().backward()
+    assert packed.bias.grad is not None and torch.allclose(packed.bias.grad, linear.bias.grad)
+
+
 def test_a_prepacked_model_still_trains_copies_and_pickles():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 2))
