@@ -182,11 +182,6 @@ class PrepackedLinear(nn.Linear):
         module.library = library
         return module
 
-    def _usable(self, x: torch.Tensor) -> bool:
-        w = self.weight
-        return (self.enabled and w.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32
-                and x.numel() > 0 and not (torch.is_grad_enabled() and _needs_grad(self, x)))
-
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
         version = (w.data_ptr(), w._version, self.library)
@@ -202,15 +197,16 @@ class PrepackedLinear(nn.Linear):
             self._packed_of = version
         return self._packed
 
-    def _stream_packed(self, x: torch.Tensor) -> torch.Tensor | None:
-        """`_usable` and `_packed_weight` in one, for the weight-streaming kernel's hot path (a verify forward calls it
-        ~200 times, between kernels that evict Python's objects from the caches): the packed weight, or None where
-        `x` must take the stock kernel."""
+    def _packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed weight for a forward of `x` (packed again first if the weight changed), or None where `x` takes
+        the stock kernel: packing switched off, rows that are not fp32 on the CPU or are empty, a weight elsewhere or in
+        another dtype, or a forward autograd must see. On a verify's hot path (~200 calls a forward, between kernels
+        that evict Python's objects from the caches), so one pass over the checks."""
         w = self.weight
-        if not self.enabled or x.dtype != torch.float32 or x.device.type != "cpu" or (
+        if not self.enabled or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or (
                 torch.is_grad_enabled() and _needs_grad(self, x)):
             return None
-        if self._packed_of != (w.data_ptr(), w._version, "stream"):
+        if self._packed_of != (w.data_ptr(), w._version, self.library):
             if w.device.type != "cpu" or w.dtype != torch.float32:
                 return None
             return self._packed_weight()
@@ -222,30 +218,24 @@ class PrepackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = self.library
-        if library == "stream":
-            features = x.shape[-1]
-            if features and STREAM_MIN_ROWS <= x.numel() // features <= STREAM_MAX_ROWS:
-                packed = self._stream_packed(x)
-                if packed is not None:
-                    return _stream_linear()(x, packed, self.out_features, self.bias)
-            return nn.functional.linear(x, self.weight, self.bias)
         if library != "onednn":  # a row-count window: the plain decode step leaves at once, at nn.Linear's cost
             rows = x.numel() // max(1, x.shape[-1])
-            if not MKL_MIN_ROWS <= rows <= MKL_ROWS:
+            low, high = (STREAM_MIN_ROWS, STREAM_MAX_ROWS) if library == "stream" else (MKL_MIN_ROWS, MKL_ROWS)
+            if not low <= rows <= high:
                 return nn.functional.linear(x, self.weight, self.bias)
-        if not self._usable(x):
+        packed = self._packed_for(x)
+        if packed is None:
             return nn.functional.linear(x, self.weight, self.bias)
+        if library == "stream":
+            return _stream_linear()(x, packed, self.out_features, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         if library == "mkl":
-            return self._mkl_forward(x, rows, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), bias, "none", [], "")
-
-    def _mkl_forward(self, x: torch.Tensor, rows: int, bias) -> torch.Tensor:
-        flat = x.reshape(rows, self.in_features)
-        if rows < MKL_ROWS:
-            flat = torch.cat([flat, flat.new_zeros(MKL_ROWS - rows, self.in_features)])
-        out = torch.ops.mkl._mkl_linear(flat.contiguous(), self._packed_weight(), self.weight.detach(), bias, MKL_ROWS)
-        return out[:rows].reshape(*x.shape[:-1], self.out_features)
+            flat = x.reshape(rows, self.in_features)
+            if rows < MKL_ROWS:
+                flat = torch.cat([flat, flat.new_zeros(MKL_ROWS - rows, self.in_features)])
+            out = torch.ops.mkl._mkl_linear(flat.contiguous(), packed, self.weight.detach(), bias, MKL_ROWS)
+            return out[:rows].reshape(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", prepacked={self.enabled}, library={self.library}"
