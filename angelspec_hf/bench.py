@@ -27,7 +27,7 @@ from angelspec_hf.prompts import EVAL_SETS, chat_input_ids, load_eval_prompts
 
 
 METHODS = ("ar", "ar_stock", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "mtp+lookup", "dflash", "dflash_full",
-           "dflash+lookup", "dfly", "dfly_full", "dfly+lookup", "router")
+           "dflash+lookup", "dfly", "dfly_full", "dfly+lookup", "dfly+corpus", "router")
 # `ar_stock`: plain `generate` with the stock `F.linear` kernels where the target's linears are prepacked
 # (`--linear-kernels`, `angelspec_hf.cpu_kernels`): what prepacking gains before any speculation; every other method
 # runs on the same (prepacked) target as `ar`, the reference of every speed-up and of greedy identity.
@@ -35,13 +35,17 @@ METHODS = ("ar", "ar_stock", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full
 # cut where the drafter's `draft_stop_threshold` says (the shipped DFly's 0.4; `--draft-stop-threshold 0`: uncut);
 # `<family>+lookup` (also `<label>+lookup` for a drafter of --drafters): each round an n-gram lookup, the drafter's
 # block or a plain step, whichever is expected to give the most tokens per second (`lookup_tokens`);
-# `<family>_full+lookup`: whole blocks, and a lookup whenever one matches (not in the default list)
+# `<family>_full+lookup`: whole blocks, and a lookup whenever one matches (not in the default list);
+# `<family>+corpus` (also `<label>+corpus`): `+lookup`, and lookups in the drafter's corpus of the target's earlier
+# outputs (`drafter.lookup_corpus`: the shipped drafters' is `shipped_lookup_corpus()`; `--lookup-corpus` gives one to
+# every drafter), the better-expected of the two lookups taking the round; `+lookup` and the others run without it
 LOOKUP = "+lookup"
+CORPUS = "+corpus"
 LOOKUP_TOKENS = 10
 DRAFTER_OF = {"dflash_builtin": "dflash", "mtp": "mtp", "dflash": "dflash", "dfly": "dfly", "router": "router",
               "mtp_full": "mtp", "dflash_full": "dflash", "dfly_full": "dfly"}
 HOOK_METHODS = ("mtp", "mtp_full", "mtp+lookup", "dflash", "dflash_full", "dflash+lookup", "dfly", "dfly_full",
-                "dfly+lookup", "router")
+                "dfly+lookup", "dfly+corpus", "router")
 
 
 class ForwardCounter:
@@ -60,7 +64,7 @@ class ForwardCounter:
 
 def drafter_of(method: str) -> str:
     """The drafter a method uses: its family, or (an extra `--drafters label=path` entry) the label itself."""
-    base = method.removesuffix(LOOKUP)
+    base = method.removesuffix(LOOKUP).removesuffix(CORPUS)
     return DRAFTER_OF.get(base, base)
 
 
@@ -86,18 +90,24 @@ class ForwardTimer:
             handle.remove()
 
 
-def method_kwargs(method: str, drafters: dict) -> dict:
+def method_kwargs(method: str, drafters: dict, corpora: dict | None = None) -> dict:
+    """`generate()`'s keyword arguments for `method`, the drafter's config set for it. `corpora`: label -> the
+    `CorpusIndex` its `+corpus` method looks up in (every other method runs without one)."""
     if method in ("ar", "ar_stock"):
         return {}
     if method == "prompt_lookup":
         return {"prompt_lookup_num_tokens": 10}
-    drafter = drafters[drafter_of(method)]
-    if method == "router":  # each routed drafter cost-aware and with lookups, whatever method ran before it
+    label = drafter_of(method)
+    drafter = drafters[label]
+    if method == "router":  # each routed drafter cost-aware and with n-gram lookups, whatever method ran before it
         for routed in drafter.drafters.values():
             routed.config.draft_length, routed.config.lookup_tokens = "auto", LOOKUP_TOKENS
+            routed.lookup_corpus = None
     elif method != "dflash_builtin" and hasattr(drafter, "config"):
-        drafter.config.draft_length = "full" if method.removesuffix(LOOKUP).endswith("_full") else "auto"
-        drafter.config.lookup_tokens = LOOKUP_TOKENS if method.endswith(LOOKUP) else 0
+        base = method.removesuffix(LOOKUP).removesuffix(CORPUS)
+        drafter.config.draft_length = "full" if base.endswith("_full") else "auto"
+        drafter.config.lookup_tokens = LOOKUP_TOKENS if method.endswith((LOOKUP, CORPUS)) else 0
+        drafter.lookup_corpus = (corpora or {}).get(label) if method.endswith(CORPUS) else None
     kwargs = {"assistant_model": drafter}
     if method == "dflash_builtin":
         kwargs["speculation_type"] = "dflash"
@@ -135,15 +145,18 @@ def greedy_identity(judge, ids, reference, out) -> dict:
 
 
 def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, temperatures=(0.0,),
-              max_new_tokens: int = 128, seed: int = 0) -> list[dict]:
-    """One record per (set, prompt, temperature, method): new tokens, seconds, target forwards, τ, identical."""
+              max_new_tokens: int = 128, seed: int = 0, corpora: dict | None = None) -> list[dict]:
+    """One record per (set, prompt, temperature, method): new tokens, seconds, target forwards, τ, identical.
+    `corpora`: as `method_kwargs` takes it (default: each drafter's own `lookup_corpus`, as loaded)."""
+    if corpora is None:
+        corpora = {label: getattr(d, "lookup_corpus", None) for label, d in drafters.items()}
     records = []
     counter, timer = ForwardCounter(target), ForwardTimer(target)
     judge = IdentityJudge(target)
     try:
         warm = chat_input_ids(tokenizer, "Hi", device=target.device)
         for method in methods:  # warm every path once, so no method is timed cold
-            target.generate(warm, max_new_tokens=4, do_sample=False, **method_kwargs(method, drafters))
+            target.generate(warm, max_new_tokens=4, do_sample=False, **method_kwargs(method, drafters, corpora))
         total, done, began = sum(map(len, prompt_sets.values())) * len(temperatures), 0, time.perf_counter()
         for set_name, prompts in prompt_sets.items():
             for index, prompt in enumerate(prompts):
@@ -163,7 +176,7 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                         with stock_linears(target, method == "ar_stock"):
                             start = clock(target.device)
                             out = target.generate(ids, max_new_tokens=max_new_tokens, **sampling,
-                                                  **method_kwargs(method, drafters))
+                                                  **method_kwargs(method, drafters, corpora))
                             seconds = clock(target.device) - start
                         new = out.shape[1] - ids.shape[1]
                         forwards, forward_seconds = counter.count, timer.seconds  # (before the judge's forwards)
@@ -182,6 +195,7 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
                             "accepted_per_round": list(stats.accepted) if hook else None,
                             "plain_steps": stats.plain_steps if hook else None,
                             "lookup_rounds": stats.lookup_rounds if hook else None,
+                            "corpus_rounds": stats.corpus_rounds if hook else None,
                             # where the time went: target forwards, drafting (hook methods), the rest
                             "forward_seconds": forward_seconds,
                             "draft_seconds": stats.draft_seconds if hook else None,
@@ -345,11 +359,20 @@ def bench_main(args) -> int:
     if args.concurrency:
         methods = [m for m in methods if m in ("mtp", "dflash", "dfly")] + ["ar"]
     given = dict(item.split("=", 1) for item in args.drafters.split(",") if item) if args.drafters else {}
-    full_lookups = {m + LOOKUP for m in HOOK_METHODS if m.endswith("_full")}  # whole blocks with lookups
-    unknown = set(methods) - set(METHODS) - full_lookups - set(given) - {label + LOOKUP for label in given}
+    extra = {m + LOOKUP for m in HOOK_METHODS if m.endswith("_full")} | {"mtp" + CORPUS, "dflash" + CORPUS}
+    unknown = (set(methods) - set(METHODS) - extra - set(given) - {label + LOOKUP for label in given}
+               - {label + CORPUS for label in given})
     if unknown or "ar" not in methods:
-        raise SystemExit(f"--methods must include 'ar' and come from {METHODS}, {sorted(full_lookups)} or the labels "
-                         f"of --drafters; got {sorted(unknown)}")
+        raise SystemExit(f"--methods must include 'ar' and come from {METHODS}, {sorted(extra)} or the labels "
+                         f"of --drafters (also <label>+lookup, <label>+corpus); got {sorted(unknown)}")
+    corpus = None
+    if args.lookup_corpus:  # read before the target loads: a wrong folder says so at once
+        from angelspec_hf.policy import CorpusIndex
+
+        try:
+            corpus = CorpusIndex.from_regenerated(args.lookup_corpus)
+        except (FileNotFoundError, ValueError, KeyError) as error:
+            raise SystemExit(f"--lookup-corpus {args.lookup_corpus}: {error}") from None
     target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
     drafters, untrained = {}, []
     needed = {drafter_of(m) for m in methods if drafter_of(m) in DRAFTER_OF.values()}
@@ -386,7 +409,10 @@ def bench_main(args) -> int:
                            for f, d in drafters.items() if f != "router")
                + f"; {describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU "
                f"threads; linear kernels: {kernels}")
-    records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens)
+    corpora = {label: corpus if corpus is not None else getattr(d, "lookup_corpus", None)
+               for label, d in drafters.items()}
+    records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens,
+                        corpora=corpora)
     rows = summarise(records)
     paths = write_outputs(records, rows, args.out, {"setting": setting, "untrained": untrained})
     print(Path(paths["markdown"]).read_text())
@@ -409,7 +435,11 @@ def add_bench_parser(sub) -> None:
                            "τ, tokens/s, speed-up over plain generate and greedy identity, as a table, JSON and plots.")
     bench.add_argument("--target", default=None, help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)")
     bench.add_argument("--methods", default=",".join(METHODS),
-                       help=f"comma list of {METHODS}; also dfly_full+lookup (mtp_, dflash_): whole blocks with lookups")
+                       help=f"comma list of {METHODS}; also dfly_full+lookup (mtp_, dflash_): whole blocks with "
+                            "lookups; mtp+corpus, dflash+corpus")
+    bench.add_argument("--lookup-corpus", default=None,
+                       help="a folder of regenerated replies (`angelspec regenerate`'s output) for every drafter's "
+                            "+corpus method to look up in (default: the shipped drafters' own corpus)")
     bench.add_argument("--drafters", default="",
                        help="family=folder/id pairs, e.g. dfly=runs/dfly,mtp=runs/mtp; any other label=folder adds "
                             "a method of that name (name it in --methods), e.g. dfly8k=my-dfly-8k")

@@ -109,24 +109,27 @@ def _time_generate(target, input_ids, **kwargs):
 
 def accepted_length_summary(runs) -> str:
     """The mean accepted length τ of `angelspec generate`'s speculative runs (their `SpeculationStats`), pooled over
-    their verification rounds. A round verifies the drafter's block or, with `lookup_tokens`, an n-gram lookup; where
+    their verification rounds. A round verifies the drafter's block or, with `lookup_tokens`, a lookup (n-gram, or in
+    the drafter's corpus); where
     no round verified a drafter's block (every step plain, or every round a lookup) it says "no drafter rounds" instead
     of a τ over nothing, followed by the lookups' τ when there were any."""
     from angelspec_hf.modeling.candidate_generator import mean_accepted_length
 
     rounds = sum(s.rounds for s in runs)
     lookups = sum(s.lookup_rounds for s in runs)
+    corpus = sum(s.corpus_rounds for s in runs)
+    kinds = f"lookups, {corpus} in the corpus" if corpus else "n-gram lookups"
     plain = sum(s.plain_steps for s in runs)
     tau = mean_accepted_length(sum(sum(s.accepted) for s in runs), rounds)
     where = f"in {len(runs)} run{'s' if len(runs) != 1 else ''}"
     plain_steps = f"{plain} plain step{'s' if plain != 1 else ''}, where drafting was not expected to pay"
     if rounds > lookups:
         text = f"{tau:.2f} tokens per target forward (bonus token included), over {rounds} rounds {where}"
-        text += f" ({lookups} of them n-gram lookups)" if lookups else ""
+        text += f" ({lookups} of them {kinds})" if lookups else ""
         return text + (f"; {plain_steps}" if plain else "")
     text = f"no drafter rounds {where}" + (f" ({plain_steps})" if plain else "")
     if lookups:
-        return text + f"; n-gram lookups: {tau:.2f} tokens per target forward over {lookups} rounds"
+        return text + f"; {kinds}: {tau:.2f} tokens per target forward over {lookups} rounds"
     return text + "; no n-gram lookups either"
 
 
@@ -138,6 +141,15 @@ def cmd_generate(args) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    corpus = None
+    if args.lookup_corpus and args.lookup_corpus != "none":  # read before the target loads: a wrong folder says so
+        from angelspec_hf.policy import CorpusIndex
+
+        try:
+            corpus = CorpusIndex.from_regenerated(args.lookup_corpus)
+        except (FileNotFoundError, ValueError, KeyError) as error:
+            print(f"angelspec generate: error: --lookup-corpus {args.lookup_corpus}: {error}", file=sys.stderr)
+            return 2
     print(f"loading target: {args.target or angelspec_hf.targets.DEFAULT_TARGET} on {args.device} "
           f"({str(args.dtype).removeprefix('torch.')}) ...", flush=True)
     target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
@@ -148,6 +160,8 @@ def cmd_generate(args) -> int:
         return 2
     choice = pick_drafter(args.drafter, target)
     drafter = choice.drafter
+    if drafter is not None and args.lookup_corpus:
+        drafter.lookup_corpus = corpus
     if choice.kind == "lookup":
         print(f"NOTE: {choice.note}.")
     elif choice.kind == "untrained":
@@ -187,6 +201,12 @@ def cmd_generate(args) -> int:
         block = getattr(drafter.config, "block_size", None) or drafter.num_draft_tokens + 1
         print(f"drafter            : {type(drafter).__name__} ({args.drafter}), {drafter.num_draft_tokens} draft "
               f"tokens per round (block {block})")
+        lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
+        corpus = getattr(drafter, "lookup_corpus", None)
+        print("lookups            : " + (f"up to {lookup_tokens} tokens, n-gram in the context" if lookup_tokens
+                                          else "none (lookup_tokens 0)")
+              + (f" and in a corpus of {corpus.num_sequences:,} earlier replies ({len(corpus):,} tokens)"
+                 if lookup_tokens and corpus is not None else ""))
     timed = f"median of {args.repeats} runs" if args.repeats > 1 else "1 run"
     print(f"setting            : greedy (temperature 0), {new_tokens} new tokens, {timed}, "
           f"{describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU threads")
@@ -389,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "where none fits the target, n-gram lookup, with the reason) | untrained[:FAMILY] (random "
                      "weights, for experiments) | a folder/id")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--lookup-corpus", default=None,
+                     help="a folder of the target's regenerated replies (`angelspec regenerate`'s output) for the "
+                          "drafter to look up in beside its n-gram lookups (a drafter with `lookup_tokens` > 0); "
+                          "'none': n-gram lookups only (default: the shipped drafters' own corpus, none for others)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     gen.add_argument("--repeats", type=positive_int, default=3, help="runs of each; the times are their medians")
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

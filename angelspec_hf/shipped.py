@@ -11,6 +11,7 @@ the functions here on first use)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,12 +142,29 @@ def drafter_for_target(name_or_path: str, target):
     return angelspec_hf.load_drafter(name_or_path, device=target.device, dtype=target.dtype)
 
 
+SHIPPED_CORPUS = CHECKOUT_DRAFTERS.parent / "data" / "regenerated" / SHIPPED_PREFIX.rstrip("-")
+
+
+@functools.cache
+def shipped_lookup_corpus():
+    """The corpus the shipped drafters look up in (`drafter.lookup_corpus`, used in rounds of the `generate()` hook
+    when the drafter's `lookup_tokens` is on): the embedded target's own replies to the TRAIN prompt sets, the data
+    the drafters were trained on (a checkout's `data/regenerated/smollm2-135m-instruct/`), as a
+    `angelspec_hf.policy.CorpusIndex`, built once per process (about a second). None where that folder is absent (an
+    installed package does not carry it)."""
+    if not SHIPPED_CORPUS.is_dir():
+        return None
+    from angelspec_hf.policy import CorpusIndex
+
+    return CorpusIndex.from_regenerated(SHIPPED_CORPUS)
+
+
 def trained_drafter(family: str, target, dtype=None, why: list | None = None, cache_dir=None, folder=None):
     """The shipped (trained) drafter of `family` for `target`, on the target's device, in the target's dtype unless
     `dtype` is given (from `folder` when it holds one, e.g. a Space's own copy; else by Hub id, see `find_shipped`), or
     None when none is found or the one found was not made for `target` (the shipped ones are the embedded
-    SmolLM2-135M-Instruct's). One line is appended to `why` when given: where the drafter came from, or why there is
-    none."""
+    SmolLM2-135M-Instruct's). Its `lookup_corpus` is `shipped_lookup_corpus()`. One line is appended to `why` when
+    given: where the drafter came from, or why there is none."""
     reasons = []
     if folder is not None and (Path(folder) / "config.json").is_file():
         found = ShippedDrafter(family, shipped_repo_id(family), "folder", Path(folder), f"from {folder}")
@@ -158,6 +176,7 @@ def trained_drafter(family: str, target, dtype=None, why: list | None = None, ca
         try:
             drafter.check_target(target)
             if drafter.config.num_target_layers in (None, depth):
+                drafter.lookup_corpus = shipped_lookup_corpus()
                 if why is not None:
                     why.append(f"the shipped {family} drafter {found.note}")
                 return drafter

@@ -4,12 +4,12 @@ would cost, without timing anything.
 At greedy decoding the output is the target's own, whatever the policy does, and so is the drafter's proposal after
 every prefix of it (its context is the target's features of that prefix). `--record` runs plain greedy `generate` on
 held-out TRAIN prompts (never regenerated, never EVAL), then drafts a whole block after every generated prefix and
-looks up its n-gram continuation, keeping the drafter's confidence at each position and how many tokens the target
-would accept, and measures a cost table (`measure_costs`: target forwards over 1 .. 11 new tokens and drafts of
+looks up its n-gram continuation (and, for a drafter with a `lookup_corpus`, the corpus's continuation), keeping the
+drafter's confidence at each position and how many tokens the target would accept, and measures a cost table (`measure_costs`: target forwards over 1 .. 11 new tokens and drafts of
 1 .. K tokens, interleaved). `--replay` walks each output as the hook does (`modeling/candidate_generator.py`: a lookup
 when the policy verifies one, else a drafted round or a plain step, a shadow probe where due) under each variant:
 `default` (a real `DraftLengthPolicy` learning from the table's costs, each observation times log-normal noise),
-`whole_lookups` (the same, but a lookup matched on 2+ tokens verified whole, others not at all), `full`
+`corpus` (the same, with the corpus lookups beside the n-gram ones), `whole_lookups` (the same, but a lookup matched on 2+ tokens verified whole, others not at all), `full`
 (`WholeBlocks`: `draft_length="full"`), `both` (block and lookup verified in one forward) and `oracle` (each
 round's best choice, knowing what the target will accept). Each round is charged its table cost, `--overhead` per
 target forward and `--round-overhead` more per verifying round (calibrate both against a timed run of whole blocks,
@@ -18,7 +18,7 @@ rounds' outcomes, free of the timing noise of a shared machine; the speed-ups ar
 
     python benchmarks/policy_replay.py --record replay.pt [--prompts 10] [--sets gsm8k,gpteacher_codegen,sharegpt]
     python benchmarks/policy_replay.py --replay replay.pt [--overhead 0.007] [--round-overhead 0.004] [--seeds 3] \
-        [--noise 0.05] [--profile-noise 0] [--drift 0] [--variants default,whole_lookups,full,both,oracle]
+        [--noise 0.05] [--profile-noise 0] [--drift 0] [--variants default,corpus,whole_lookups,full,both,oracle]
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def record_prompt(target, drafter, input_ids, max_new_tokens: int) -> dict:
     embed, head = target.get_input_embeddings(), drafter.draft_lm_head(target.get_output_embeddings())
     lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
     index = NgramIndex(int(getattr(drafter.config, "lookup_max_ngram", 3) or 3))
-    state, blocks, lookups = drafter.new_draft_state(), [], []
+    corpus = getattr(drafter, "lookup_corpus", None) if lookup_tokens else None
+    state, blocks, lookups, found = drafter.new_draft_state(), [], [], []
     for anchor in range(prompt, len(ids) - 1):  # the first generated token comes from the prefill
         peaks = []
 
@@ -85,8 +86,11 @@ def record_prompt(target, drafter, input_ids, max_new_tokens: int) -> dict:
         index.extend_to(ids[: anchor + 1])
         tokens, n = index.continuation(lookup_tokens) if lookup_tokens else ([], 0)
         lookups.append((n, len(tokens), matched(tokens, reference)))
-    return {"prompt_length": prompt, "generated": len(ids) - prompt, "blocks": blocks, "lookups": lookups,
-            "max_tokens": drafter.num_draft_tokens}
+        if corpus is not None:
+            tokens, confidences = corpus.continuation(ids[: anchor + 1], lookup_tokens)
+            found.append((len(tokens), confidences, matched(tokens, reference)))
+    return {"prompt_length": prompt, "generated": len(ids) - prompt, "ids": ids, "blocks": blocks, "lookups": lookups,
+            "corpus": found if corpus is not None else None, "max_tokens": drafter.num_draft_tokens}
 
 
 @torch.no_grad()
@@ -183,15 +187,20 @@ def step_cost(step: list[float], rows: int) -> float:
     return step[-1] + (rows - len(step)) * (step[-1] - step[-4]) / 3
 
 
-def hook_round(policy, block, lookup, num_tokens, available, max_ngram, repeating):
-    """One round as `AngelSpecCandidateGenerator` makes it under `policy`: `("lookup", k)`, `("draft", k)`,
-    `("shadow", 1)` (a plain step with a shadow draft beside it) or `("plain", 0)`."""
+def hook_round(policy, block, lookup, num_tokens, available, max_ngram, repeating, corpus=None, room=0):
+    """One round as `AngelSpecCandidateGenerator` makes it under `policy`: `("lookup", k)`, `("corpus", k)` (with
+    `corpus`, the recorded corpus lookup at this prefix, and `room` tokens left), `("draft", k)`, `("shadow", 1)` (a
+    plain step with a shadow draft beside it) or `("plain", 0)`."""
     peaks, _ = block
     n = lookup[0]
-    if n and available:
-        k = policy.lookup_length(n / max_ngram, available, num_tokens, repeating=repeating)
-        if k:
-            return "lookup", k
+    k = policy.lookup_length(n / max_ngram, available, num_tokens, repeating=repeating) if n and available else 0
+    if corpus is not None and not (k and repeating):
+        confidences = corpus[1][:min(corpus[0], room)]
+        corpus_k, corpus_rate = policy.lookup_plan(confidences, num_tokens, corpus=True)
+        if corpus_k and (not k or corpus_rate > policy.lookup_rate([n / max_ngram] * k)):
+            return "corpus", corpus_k
+    if k:
+        return "lookup", k
     if not policy.start_round(num_tokens):
         return ("shadow", 1) if policy.shadow_due else ("plain", 0)
     k = 1
@@ -215,11 +224,13 @@ def oracle_round(block, lookup, num_tokens, available, step, draft, overhead, ro
 
 
 def replay(trace: dict, policy, costs: dict, overhead: float = 0.0, noise: float = 0.0, rng=None,
-           max_ngram: int = 3, threshold: float = 0.4, round_overhead: float = 0.0, drift: dict | None = None) -> dict:
+           max_ngram: int = 3, threshold: float = 0.4, round_overhead: float = 0.0, drift: dict | None = None,
+           use_corpus: bool = False) -> dict:
     """Walk one recorded output round by round. `policy`: an object with the hook's interface (`DraftLengthPolicy`,
     `WholeBlocks`; updated as it goes, its timings the costs times log-normal `noise`), `"oracle"` (`oracle_round`)
     or `"both"` (every round verifies the block, cut at `threshold` as `WholeBlocks` cuts it, and beside it, in the
     same forward, the lookup when one matched on 2+ tokens: a tree of two branches, the longer accepted one kept).
+    `use_corpus`: the hook's policy also weighs the corpus lookup recorded at each prefix (`trace["corpus"]`).
     `drift`: `{"sigma", "rounds", "log"}`, the machine's speed wandering from round to round (its log an AR(1) process
     of standard deviation `sigma` and correlation length `rounds`, now at `log`, carried from call to call): what the
     policy observes is slowed by it, what the round is charged is not, so only the decisions it moves count.
@@ -256,8 +267,13 @@ def replay(trace: dict, policy, costs: dict, overhead: float = 0.0, noise: float
             done += 1 + accepted
             continue
         else:
-            kind, k = hook_round(policy, block, lookup, num_tokens, available, max_ngram, repeating)
-        if kind == "lookup":
+            corpus = trace["corpus"][done - 1] if use_corpus else None
+            kind, k = hook_round(policy, block, lookup, num_tokens, available, max_ngram, repeating, corpus,
+                                 total - done - 1)
+        if kind == "corpus":
+            accepted, t = min(k, corpus[2]), step[k] + overhead + round_overhead
+            policy.observe_lookup(corpus[1][:k], k, accepted, timed(step[k]), corpus=True)
+        elif kind == "lookup":
             accepted, t = min(k, lookup[2]), step[k] + overhead + round_overhead
             if hook:
                 policy.observe_lookup(lookup[0] / max_ngram, k, accepted, timed(step[k]))
@@ -308,10 +324,14 @@ def replay_all(traces, costs, variant, overhead, noise, seed, max_tokens, profil
         if variant == "whole_lookups":  # lookups as `_full` takes them, the rest as the cost-aware policy does
             policy.lookup_length = WholeBlocks().lookup_length
     speed = {"sigma": drift[0], "rounds": drift[1], "log": 0.0}
-    return [replay(t, policy, costs, overhead, noise, rng, round_overhead=round_overhead, drift=speed) for t in traces]
+    use_corpus = variant == "corpus"
+    if use_corpus and any(t["corpus"] is None for t in traces):
+        raise ValueError("the corpus variant needs traces recorded with a drafter that has a lookup_corpus")
+    return [replay(t, policy, costs, overhead, noise, rng, round_overhead=round_overhead, drift=speed,
+                   use_corpus=use_corpus) for t in traces]
 
 
-VARIANTS = ("default", "whole_lookups", "full", "both", "oracle")
+VARIANTS = ("default", "corpus", "whole_lookups", "full", "both", "oracle")
 
 
 def main() -> None:
@@ -358,7 +378,7 @@ def main() -> None:
         print(f"{len(traces)} outputs; step ms", [round(1e3 * s, 1) for s in costs["step"]], "draft ms",
               [round(1e3 * s, 1) for s in costs["draft"]], f"overhead {1e3 * args.overhead:.1f} ms (+{1e3 * args.round_overhead:.1f} a verifying round)")
         for name in args.variants.split(","):
-            seeds = args.seeds if name in ("default", "whole_lookups") else 1  # the others do not learn from timings
+            seeds = args.seeds if name in ("default", "corpus", "whole_lookups") else 1  # the others do not learn from timings
             speed = {s: [] for s in sets + ["all"]}
             counts = []
             for seed in range(seeds):

@@ -78,7 +78,8 @@ class SpeculationStats:
     draft_probs: list[list[float]] = field(default_factory=list)
     plain_steps: int = 0  # target forwards without a draft (`draft_length="auto"` found drafting would not pay)
     shadow_probes: int = 0  # plain steps beside which the drafter proposed a token only to learn its acceptance
-    lookup_rounds: int = 0  # rounds that verified an n-gram lookup instead of the drafter's block (`lookup_tokens`)
+    lookup_rounds: int = 0  # rounds that verified a lookup instead of the drafter's block (`lookup_tokens`)
+    corpus_rounds: int = 0  # of those, rounds that verified a corpus lookup (`drafter.lookup_corpus`)
     draft_seconds: float = 0.0  # time spent drafting (the drafter's forwards and token choices)
 
     @property
@@ -121,6 +122,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.lookup_tokens = int(getattr(drafter.config, "lookup_tokens", 0) or 0)
         self.lookup_max_ngram = int(getattr(drafter.config, "lookup_max_ngram", 3) or 3)
         self._ngrams: NgramIndex | None = None  # the context's n-gram index, extended as tokens are accepted
+        # a corpus of the target's earlier outputs to look up in (`angelspec_hf.policy.CorpusIndex`), with lookups on
+        self.corpus = getattr(drafter, "lookup_corpus", None) if self.lookup_tokens else None
         self._repeating = False  # the round before verified a lookup and accepted all of it
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
@@ -139,7 +142,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self._prefix = input_ids  # the context and the tokens drafted so far, for the logits processors
         self._pending: list[torch.Tensor] = []  # target features kept from plain rounds, not yet given to the drafter
         self._pending_length = 0
-        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None, "shadow": None}
+        self._round = {"drafted": 0, "draft_seconds": None, "returned_at": None, "lookup": None, "corpus": False,
+                       "shadow": None}
         self._last_round_end: float | None = None
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
         self.state = drafter.new_draft_state()
@@ -213,7 +217,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         ).to(drafter_device)
         num_tokens = max(0, min(self.drafter.num_draft_tokens, self.max_length - input_ids.shape[1] - 1))
         self._survival, self._max_tokens, self._round_probs = 1.0, num_tokens, []
-        self._round.update(drafted=0, draft_seconds=None, lookup=None, shadow=None)
+        self._round.update(drafted=0, draft_seconds=None, lookup=None, corpus=False, shadow=None)
         lookup = self._lookup(input_ids, num_tokens)
         if lookup is not None or (self.policy is not None and not self.policy.start_round(num_tokens)):
             if lookup is None and self.policy is not None and self.policy.shadow_due:
@@ -290,33 +294,42 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         return acceptance_probability(scores[0, -1], shadow["probs"])
 
     def _lookup(self, input_ids, num_tokens):
-        """An n-gram lookup round, `(candidates, one-hot logits)`, when one is on offer and expected to beat both the
-        drafter's block and a plain step; else None. The lookup is a deterministic proposal, q = one-hot on its
-        token, so transformers' speculative sampling accepts token x with probability p(x) and otherwise draws from
-        p without x: exact. Whether and how far to look up depends on the context and past rounds only."""
+        """A lookup round, `(candidates, one-hot logits)`, when one is on offer and expected to beat both the drafter's
+        block and a plain step; else None. Two lookups can propose: the n-gram lookup in the context, and with a corpus
+        attached to the drafter (`drafter.lookup_corpus`, a `CorpusIndex`) the corpus lookup; under the cost-aware
+        policy the one with the better expected rate is verified (the n-gram lookup, whole, while the text repeats a
+        span of its context). Without the policy (`draft_length="full"`) only an n-gram lookup matched on 2+ tokens
+        is verified. A lookup is a deterministic proposal, q = one-hot on its token, so transformers' speculative
+        sampling accepts token x with probability p(x) and otherwise draws from p without x: exact. Whether and how
+        far to look up depends on the context and past rounds only."""
         room = max(0, self.max_length - input_ids.shape[1] - 1)
         if not self.lookup_tokens or room == 0:
             return None
-        ids = input_ids[0]
+        ids, limit = input_ids[0], min(self.lookup_tokens, room)
         if self._ngrams is None or len(self._ngrams.ids) > len(ids):
             self._ngrams = NgramIndex(self.lookup_max_ngram)
         self._ngrams.extend_to(ids)  # the accepted context only grows: only its new tokens are indexed
-        tokens, n = self._ngrams.continuation(min(self.lookup_tokens, room))
-        if not tokens:
-            return None
+        tokens, n = self._ngrams.continuation(limit)
         confidence = n / self.lookup_max_ngram
-        if self.policy is not None:
-            tokens = tokens[: self.policy.lookup_length(confidence, len(tokens), num_tokens,
-                                                        repeating=self._repeating)]
-        elif n < 2:
-            tokens = []
+        corpus = False
+        if self.policy is None:
+            tokens = tokens if n >= 2 else []
+        else:
+            k = self.policy.lookup_length(confidence, len(tokens), num_tokens, repeating=self._repeating) if tokens else 0
+            if self.corpus is not None and not (k and self._repeating):
+                found, confidences = self.corpus.continuation(ids, limit)
+                corpus_k, corpus_rate = self.policy.lookup_plan(confidences, num_tokens, corpus=True)
+                if corpus_k and (not k or corpus_rate > self.policy.lookup_rate([confidence] * k)):
+                    tokens, k, corpus, confidence = found, corpus_k, True, confidences[:corpus_k]
+            tokens = tokens[:k]
         if not tokens:
             return None
         draft = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         logits = torch.full((1, len(tokens), self.vocab_size), float("-inf"), device=input_ids.device)
         logits.scatter_(-1, draft[..., None], 0.0)
-        self._round.update(drafted=len(tokens), lookup=confidence)
+        self._round.update(drafted=len(tokens), lookup=confidence, corpus=corpus)
         self.stats.lookup_rounds += 1
+        self.stats.corpus_rounds += int(corpus)
         self.stats.proposed.append(len(tokens))
         self.stats.drafts.append(tokens)
         self.stats.draft_probs.append([1.0] * len(tokens))
@@ -327,7 +340,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         if self.policy is not None and returned_at is not None:  # the target forward and verification just timed
             if self._round["lookup"] is not None:
                 self.policy.observe_lookup(self._round["lookup"], self._round["drafted"], int(num_matches),
-                                           now - returned_at)
+                                           now - returned_at, corpus=self._round["corpus"])
             elif self._round["shadow"] is not None:  # a plain step with a probe beside it: not a plain round's rate
                 self.policy.observe_shadow(self._round["shadow"]["confidence"], self._score_shadow(input_ids, scores),
                                            self._round["draft_seconds"])
@@ -336,7 +349,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
                 round_seconds = None if self._last_round_end is None else now - self._last_round_end
                 self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
                                     now - returned_at, round_seconds)
-        self._repeating = self._round["lookup"] is not None and int(num_matches) >= self._round["drafted"]
+        self._repeating = (self._round["lookup"] is not None and not self._round["corpus"]
+                           and int(num_matches) >= self._round["drafted"])
         self._round["returned_at"], self._last_round_end = None, now
         if len(self.stats.accepted) < len(self.stats.proposed):
             self.stats.accepted.append(int(num_matches))

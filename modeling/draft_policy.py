@@ -42,6 +42,9 @@ class DraftLengthPolicy:
         self._timed, self._window = 0, QuietWindow(device)
         self.calibrator = AcceptanceCalibrator(num_positions=max_tokens, prior_weight=2.0, prior_scale=0.7)
         self.lookups = AcceptanceCalibrator(prior=0.5, num_positions=max(max_tokens, 16))
+        # corpus lookups (`CorpusIndex`): per-token confidences, calibrated like a drafter's
+        self.corpus_lookups = AcceptanceCalibrator(num_positions=max(max_tokens, 16), prior_weight=2.0,
+                                                   prior_scale=0.8)
         self.max_tokens, self.probe_every = max_tokens, probe_every
         self.backoff = BackOff(probe_every, max_backoff)
         self.shadow_probes, self.shadow_due = shadow_probes, False  # this round's plain step carries a shadow draft
@@ -135,14 +138,31 @@ class DraftLengthPolicy:
         chance match: docs/benchmarks.md, "Lookups that learn a loop"). Reads the context and past rounds only."""
         if repeating:
             return available
+        return self.lookup_plan([confidence] * available, draft_tokens)[0]
+
+    def lookup_plan(self, confidences: list[float], draft_tokens: int, corpus: bool = False) -> tuple[int, float]:
+        """`(k, rate)`: how many tokens of a lookup proposal to verify, each with its confidence (an n-gram lookup's
+        matched length / longest for every token; a corpus lookup's own per-token confidence, `corpus=True`, calibrated
+        apart), and the expected tokens per second of verifying them; `k = 0` (and the rate of the best of a drafted
+        round and a plain step) when no length is expected to beat those."""
+        calibrator = self.corpus_lookups if corpus else self.lookups
         best_k, best, survival, tokens = 0, self.best_rate(draft_tokens), 1.0, 1.0
-        for k in range(1, available + 1):
-            survival *= self.lookups.rate(k - 1, confidence)
+        for k, confidence in enumerate(confidences, start=1):
+            survival *= calibrator.rate(k - 1, confidence)
             tokens += survival
             rate = tokens / self.step(1 + k)
             if rate > best:
                 best_k, best = k, rate
-        return best_k
+        return best_k, best
+
+    def lookup_rate(self, confidences: list[float], corpus: bool = False) -> float:
+        """Expected tokens per second of verifying the whole lookup proposal `confidences` (`lookup_plan`'s)."""
+        calibrator = self.corpus_lookups if corpus else self.lookups
+        survival, tokens = 1.0, 1.0
+        for j, confidence in enumerate(confidences):
+            survival *= calibrator.rate(j, confidence)
+            tokens += survival
+        return tokens / self.step(1 + len(confidences))
 
     # ---- what happened -----------------------------------------------------------------------------------------------
     def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None,
@@ -160,9 +180,12 @@ class DraftLengthPolicy:
             self.step.add(1 + drafted, step_seconds)
             self._timed_round()
 
-    def observe_lookup(self, confidence: float, proposed: int, accepted: int, step_seconds: float | None) -> None:
-        """A round that verified `proposed` tokens of an n-gram lookup matched with `confidence`."""
-        self.lookups.update_round([confidence] * proposed, accepted)
+    def observe_lookup(self, confidence: float | list[float], proposed: int, accepted: int,
+                       step_seconds: float | None, corpus: bool = False) -> None:
+        """A round that verified `proposed` tokens of a lookup: an n-gram lookup matched with `confidence`, or (a
+        list, `corpus=True`) a corpus lookup with these per-token confidences."""
+        confidences = list(confidence)[:proposed] if corpus else [confidence] * proposed
+        (self.corpus_lookups if corpus else self.lookups).update_round(confidences, accepted)
         if step_seconds is not None:
             self.step.add(1 + proposed, step_seconds)
             self._timed_round()

@@ -24,7 +24,8 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["method"], r["temperature"]): r for r in result["summary"]}
     assert {m for m, _ in rows} == {"ar", "ar_stock", "prompt_lookup", "dflash_builtin", "mtp", "mtp_full", "mtp+lookup", "dflash",
-                                    "dflash_full", "dflash+lookup", "dfly", "dfly_full", "dfly+lookup", "router"}
+                                    "dflash_full", "dflash+lookup", "dfly", "dfly_full", "dfly+lookup", "dfly+corpus",
+                                    "router"}
     lookups = [r["lookup_rounds"] for r in result["records"] if r["method"].endswith("+lookup")]
     assert all(n is not None for n in lookups) and not any(
         r["lookup_rounds"] for r in result["records"] if r["method"] in ("dfly", "dfly_full"))
@@ -129,6 +130,47 @@ def test_each_method_sets_its_drafters_whatever_ran_before():
     assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == 0
     method_kwargs("dfly_full+lookup", drafters)  # whole blocks, and a lookup whenever one matches
     assert drafters["dfly"].config.draft_length == "full" and drafters["dfly"].config.lookup_tokens == LOOKUP_TOKENS
+    corpus = object()
+    method_kwargs("dfly+corpus", drafters, {"dfly": corpus})  # the corpus only for +corpus, whatever ran before
+    assert drafters["dfly"].lookup_corpus is corpus and drafters["dfly"].config.lookup_tokens == LOOKUP_TOKENS
+    assert drafters["dfly"].config.draft_length == "auto"
+    method_kwargs("router", drafters)
+    assert drafters["dfly"].lookup_corpus is None
+    for method in ("dfly+corpus", "dfly+lookup"):
+        method_kwargs(method, drafters, {"dfly": corpus})
+    assert drafters["dfly"].lookup_corpus is None
+
+
+def test_corpus_lookups_run_beside_the_drafter_and_stay_lossless(tmp_path):
+    """`dfly+corpus --lookup-corpus <regenerated replies>`: rounds that verify a lookup in a corpus of the target's
+    own earlier replies to these prompts (so lookups there are on offer and accepted), greedy output identical to
+    AR's; `dfly+lookup` beside it never looks in the corpus."""
+    from helpers import tiny_drafter
+
+    target, tokenizer = tiny_chat_target(favour=1.0)  # varied replies: the context alone rarely predicts them
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_drafter("dfly", target).save_pretrained(tmp_path / "dfly")
+    asks = ["What is 2 + 2?", "Write a haiku.", "Name three colours."]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in asks) + "\n")
+    from angelspec_hf.prompts import chat_input_ids
+
+    replies = tmp_path / "regenerated"
+    replies.mkdir()
+    with open(replies / "mine.jsonl", "w") as f:
+        for i, p in enumerate(asks):
+            ids = chat_input_ids(tokenizer, p)
+            out = target.generate(ids, max_new_tokens=24, do_sample=False)
+            f.write(json.dumps({"id": str(i), "response_ids": out[0, ids.shape[1]:].tolist()}) + "\n")
+    assert main(["bench", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "p.jsonl"),
+                 "--prompts-per-set", "3", "--max-new-tokens", "24", "--temperatures", "0", "--threads", "1",
+                 "--methods", "ar,dfly+lookup,dfly+corpus", "--drafters", f"dfly={tmp_path / 'dfly'}",
+                 "--lookup-corpus", str(replies), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    records = result["records"]
+    assert all(r["identical"] for r in records)
+    assert sum(r["corpus_rounds"] for r in records if r["method"] == "dfly+corpus") > 0
+    assert not any(r["corpus_rounds"] for r in records if r["method"] == "dfly+lookup")
 
 
 def test_whole_blocks_with_lookups_run_when_named(tmp_path):

@@ -123,3 +123,22 @@ def test_generate_without_drafter_rounds_says_so(folders, capsys, monkeypatch, t
                         r"(n-gram lookups: \d+\.\d\d tokens per target forward over [1-9]\d* rounds"
                         r"|no n-gram lookups either)", line), line
     assert "nan" not in line.lower()
+
+
+def test_generate_says_where_it_looks_up_and_takes_a_corpus(folders, capsys, tmp_path):
+    """`--lookup-corpus <regenerated replies>` gives the drafter a corpus to look up in, and the output says so;
+    'none' (a drafter of a folder has none anyway) keeps n-gram lookups alone; a folder without replies is an error
+    that names what it looked for."""
+    replies = tmp_path / "regenerated"
+    replies.mkdir()
+    (replies / "mine.jsonl").write_text(json.dumps({"id": "0", "response_ids": [5, 6, 7, 5, 6, 8]}) + "\n")
+    out = generate(folders, capsys, "--max-new-tokens", "8", "--lookup-corpus", str(replies))
+    assert "identical to plain : yes" in out
+    assert "lookups            : up to 10 tokens, n-gram in the context and in a corpus of 1 earlier replies " \
+           "(6 tokens)" in out
+    out = generate(folders, capsys, "--max-new-tokens", "8", "--lookup-corpus", "none")
+    assert "lookups            : up to 10 tokens, n-gram in the context\n" in out
+    assert main(["generate", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--lookup-corpus", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "--lookup-corpus" in err and "no regenerated responses" in err and "Traceback" not in err

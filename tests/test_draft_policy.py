@@ -733,9 +733,9 @@ def test_the_hook_tells_the_policy_when_the_round_before_was_a_lookup_accepted_w
             seen.append((repeating, expected))
             return super().lookup_length(confidence, available, draft_tokens, repeating=repeating)
 
-        def observe_lookup(self, confidence, proposed, accepted, step_seconds):
+        def observe_lookup(self, confidence, proposed, accepted, step_seconds, corpus=False):
             self.last = ("lookup", proposed, accepted)
-            super().observe_lookup(confidence, proposed, accepted, step_seconds)
+            super().observe_lookup(confidence, proposed, accepted, step_seconds, corpus=corpus)
 
         def observe(self, *args, **kwargs):
             self.last = "other"

@@ -159,6 +159,33 @@ def test_confidence_cut_drafts_fewer_tokens_and_stays_lossless(target, family):
     assert sum(rounds[0.3]) / len(rounds[0.3]) < sum(rounds[0.0]) / len(rounds[0.0])
 
 
+def test_corpus_lookup_rounds_are_lossless(target, family):
+    """`drafter.lookup_corpus`: rounds verifying a lookup in a corpus of the target's own earlier replies (the first
+    16 tokens of its replies to these prompts, and replies to other prompts), beside n-gram lookups and drafter
+    rounds; they are taken, accepted, and the output is plain greedy decoding's."""
+    from angelspec_hf.policy import CorpusIndex
+
+    drafter = tiny_drafter(family, target, draft_length="auto", lookup_tokens=6)
+    costs = RoundCosts((0.02, 0.001), (0.0, 0.001))  # fixed costs (verifying is cheap), not this machine's timing
+    drafter._draft_policies = {hardware_key(target, drafter): DraftLengthPolicy(costs, drafter.num_draft_tokens,
+                                                                                measure=False)}
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 99, (1, 5), generator=gen) for _ in range(8)]
+    replies = [_greedy(target, ids, max_new_tokens=32)[0, ids.shape[1]:] for ids in prompts]
+    drafter.lookup_corpus = CorpusIndex([r[:16] for r in replies[:4]] + replies[4:6])
+    corpus = accepted = 0
+    for ids, reply in zip(prompts, replies):
+        out = _greedy(target, ids, max_new_tokens=32, assistant_model=drafter)
+        assert torch.equal(out[0, ids.shape[1]:], reply), f"{family} with corpus lookups diverged"
+        stats = drafter.last_speculation_stats
+        corpus += stats.corpus_rounds
+        accepted += sum(stats.accepted)
+    assert corpus > 0 and accepted > 0
+    drafter.config.lookup_tokens = 0  # lookups off: the corpus is not read either
+    _greedy(target, prompts[0], max_new_tokens=32, assistant_model=drafter)
+    assert drafter.last_speculation_stats.corpus_rounds == 0
+
+
 @pytest.mark.parametrize("draft_length", ["auto", "full"])
 def test_ngram_lookup_rounds_are_lossless(target, family, draft_length):
     """`lookup_tokens`: rounds verifying an n-gram lookup beside drafter rounds; prompts that repeat themselves, so

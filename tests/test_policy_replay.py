@@ -48,9 +48,15 @@ def test_whole_blocks_replayed_make_the_hooks_rounds(target, threshold):
 
 
 def test_every_policy_accounts_for_every_token(target):
+    from angelspec_hf.policy import CorpusIndex
+
     drafter = tiny_drafter("dfly", target, lookup_tokens=6, lookup_max_ngram=2)
     target.generation_config.eos_token_id = None
-    traces = [policy_replay.record_prompt(target, drafter, ids, 24) for ids in _prompts(count=2)]
+    prompts = list(_prompts(count=2))
+    drafter.lookup_corpus = CorpusIndex([target.generate(ids, max_new_tokens=12, do_sample=False)[0].tolist()
+                                         for ids in prompts])
+    traces = [policy_replay.record_prompt(target, drafter, ids, 24) for ids in prompts]
+    assert all(t["corpus"] for t in traces)
     seconds = {}
     for variant in policy_replay.VARIANTS:
         results = policy_replay.replay_all(traces, COSTS, variant, 0.0, 0.05, 0, drafter.num_draft_tokens)
@@ -60,6 +66,8 @@ def test_every_policy_accounts_for_every_token(target):
         seconds[variant] = sum(r["seconds"] for r in results)
         if variant == "oracle":  # it verifies only what the target accepts, and no round of it is slower than plain
             assert all(accepted == k for result in results for _, k, accepted in result["rounds"])
+    assert "corpus" in policy_replay.summary(policy_replay.replay_all(traces, COSTS, "corpus", 0.0, 0.05, 0,
+                                                                      drafter.num_draft_tokens))
     plain = sum(r["plain_seconds"] for r in results)
     assert seconds["oracle"] <= plain + 1e-9
     assert policy_replay.summary(results)["forwards"] == sum(len(r["rounds"]) for r in results)

@@ -13,6 +13,7 @@ import torch
 import transformers.generation.utils as generation_utils
 
 from angelspec_hf.modeling.candidate_generator import AngelSpecCandidateGenerator
+from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
 from stats import (ALPHA, PROMPT, VOCAB, ImpossibleSample, assert_power, exact_distribution, goodness_of_fit, marginal,
                    peaked_drafter, report, sequence_fit, single_thread, spread_target, total_variation,
                    vector_distribution)
@@ -212,24 +213,27 @@ def test_cost_aware_draft_length_keeps_sampling_exact(target, monkeypatch):
         f"hook dfly, draft_length=auto, {DRAWS} draws, {rounds} rounds, {proposed} drafted, {accepted} accepted")
 
 
+class DraftsEveryRound(DraftLengthPolicy):
+    """Timing-independent: every round that is not a lookup drafts, as far as the room allows."""
+
+    def start_round(self, max_tokens):
+        return max_tokens > 0
+
+    def keep_drafting(self, confidence, max_tokens):
+        return len(self._round) + 1 < max_tokens
+
+
 def test_ngram_lookup_rounds_keep_sampling_exact(target, monkeypatch):
     """`lookup_tokens`: rounds that verify an n-gram lookup (q one-hot on the looked-up token) beside rounds that
     verify the drafter's block keep the processed target distribution exactly; a wrong correction rule is rejected."""
-    from angelspec_hf.modeling.draft_policy import DraftLengthPolicy
     from angelspec_hf.policy import RoundCosts
 
-    class EveryOtherLookup(DraftLengthPolicy):  # timing-independent: lookups whenever on offer, every other call
+    class EveryOtherLookup(DraftsEveryRound):  # timing-independent: lookups whenever on offer, every other call
         calls = 0
 
         def lookup_length(self, confidence, available, draft_tokens, repeating=False):
             EveryOtherLookup.calls += 1
             return available if EveryOtherLookup.calls % 2 else 0
-
-        def start_round(self, max_tokens):
-            return max_tokens > 0
-
-        def keep_drafting(self, confidence, max_tokens):
-            return len(self._round) + 1 < max_tokens
 
     new_tokens = 4  # up to two drafted or looked-up positions per round
     drafter = peaked_drafter("dflash", target)
@@ -244,6 +248,45 @@ def test_ngram_lookup_rounds_keep_sampling_exact(target, monkeypatch):
     _assert_exact_and_wrong_correction_caught(
         target, drafter, new_tokens, exact, samples, 7, monkeypatch,
         f"hook dflash + lookup, {DRAWS} draws, {rounds} rounds ({sum(lookups)} lookups), {proposed} proposed, "
+        f"{accepted} accepted")
+
+
+def test_corpus_lookup_rounds_keep_sampling_exact(target, monkeypatch):
+    """Rounds that verify a lookup in a corpus (`drafter.lookup_corpus`, q one-hot on each proposed token, several
+    tokens a round) beside rounds that verify the drafter's block keep the processed target distribution exactly;
+    a wrong correction rule is rejected. The corpus holds every 4-token sequence over the prompt's last tokens and a
+    few more, so a lookup is on offer at every round and its tokens are sometimes accepted, sometimes not."""
+    import itertools
+
+    from angelspec_hf.policy import CorpusIndex, RoundCosts
+
+    class EveryOtherCorpusLookup(DraftsEveryRound):  # timing-independent: the corpus's lookup every other call
+        calls = 0
+
+        def lookup_length(self, confidence, available, draft_tokens, repeating=False):
+            return 0  # no n-gram lookups: every lookup round here is the corpus's
+
+        def lookup_plan(self, confidences, draft_tokens, corpus=False):
+            EveryOtherCorpusLookup.calls += 1
+            return (len(confidences), float("inf")) if EveryOtherCorpusLookup.calls % 2 else (0, 0.0)
+
+    new_tokens = 4  # up to two drafted or looked-up positions per round
+    drafter = peaked_drafter("dfly", target)
+    drafter.config.draft_length, drafter.config.lookup_tokens = "auto", 2
+    drafter.lookup_corpus = CorpusIndex([[5, 4, a, b] for a, b in itertools.product(range(VOCAB), repeat=2)]
+                                        + [[4, 1, 2, 3]] * 3, min_match=1)
+    policy = EveryOtherCorpusLookup(RoundCosts((0.05, 0.001), (0.0, 0.006)), drafter.num_draft_tokens)
+    drafter.draft_policy = lambda target, cache_dir=None: policy
+    exact = exact_distribution(target, new_tokens, **PROCESSING)
+    lookups = []
+    samples, (rounds, proposed, accepted, first) = hook_samples(target, drafter, new_tokens, seed=8, lookups=lookups)
+    corpus_rounds = drafter.last_speculation_stats.corpus_rounds
+    assert sum(lookups) > DRAWS // 4 and rounds > sum(lookups)  # both kinds of round ran, many times
+    assert corpus_rounds == drafter.last_speculation_stats.lookup_rounds  # (the last call's) all from the corpus
+    assert 0 < accepted < proposed
+    _assert_exact_and_wrong_correction_caught(
+        target, drafter, new_tokens, exact, samples, 9, monkeypatch,
+        f"hook dfly + corpus lookups, {DRAWS} draws, {rounds} rounds ({sum(lookups)} lookups), {proposed} proposed, "
         f"{accepted} accepted")
 
 

@@ -12,7 +12,8 @@
 | the engine's cost model (`CostModel`), profiled and refined | `cost_model` |
 | acceptance calibration, and the two exactness rules for sampled requests | `acceptance` |
 | step kinds, measured rates, back-off | `rates` |
-| n-gram lookups (`NgramIndex`) | `lookup` |
+| n-gram lookups in the request's context (`NgramIndex`) | `lookup` |
+| lookups in a corpus of the target's earlier outputs (`CorpusIndex`) | `corpus` |
 """
 
 from .acceptance import AcceptanceCalibrator, draft_confidence, plan_acceptance
@@ -29,12 +30,13 @@ from .costs import (
     packed_linear,
     profile_cached,
 )
+from .corpus import CorpusIndex
 from .lookup import NgramIndex
 from .rates import BackOff, MeasuredRates, StepKind
 from .round_costs import RoundCosts, StepCost, load_or_profile_round_costs, profile_round_costs
 
 __all__ = [
-    "AcceptanceCalibrator", "BackOff", "CostModel", "LinearFit", "MeasuredRates", "NgramIndex", "OnlineLeastSquares",
+    "AcceptanceCalibrator", "BackOff", "CorpusIndex", "CostModel", "LinearFit", "MeasuredRates", "NgramIndex", "OnlineLeastSquares",
     "OtherLoad", "QuietWindow", "RoundCosts", "StepCost", "StepKind", "clock", "default_cache_dir", "draft_confidence",
     "hardware_key", "load_or_profile", "load_or_profile_round_costs", "max_other_load", "packed_linear",
     "plan_acceptance", "profile_cached", "profile_cost_model", "profile_round_costs",

@@ -46,9 +46,10 @@ DEFAULT_SITE = "/tmp/angelspec-site"
 MANIFEST = "manifest.json"
 DEVICE_LIMIT_MIB = 64  # what one call may carry, the tree included
 # The wheels the machine's image lacks (see the device's package list): transformers at the version the project pins
-# (the image has 5.17), gguf (the target is a GGUF), and for training datasets with dill and multiprocess (the image
-# has pyarrow and xxhash). Versions: those installed here, so the machine runs what the tests ran.
-WHEELS = ("transformers", "gguf", "datasets", "dill", "multiprocess")
+# (the image has 5.17), gguf (the target is a GGUF), pydivsufsort (the corpus lookups' suffix array), and for
+# training datasets with dill and multiprocess (the image has pyarrow and xxhash). Versions: those installed here, so
+# the machine runs what the tests ran.
+WHEELS = ("transformers", "gguf", "pydivsufsort", "datasets", "dill", "multiprocess")
 PIP_PLATFORM = ("--only-binary=:all:", "--implementation", "cp", "--python-version", "3.12",
                 "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
                 "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64")

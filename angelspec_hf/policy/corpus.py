@@ -1,0 +1,144 @@
+"""Lookups in a corpus of the target's own earlier outputs (`CorpusIndex`): retrieval-based drafting in the manner of
+REST (He et al., 2023) and SuffixDecoding (Oliaro et al., 2024), beside the n-gram lookup in the request's own context
+(`lookup.NgramIndex`).
+
+A target answers similar requests with similar text: the same openings, the same step-by-step phrasing of a
+solution, the same code idioms. The corpus is token ids the target itself produced (for the embedded target: its
+greedy replies to the TRAIN prompt sets, `data/regenerated/`), indexed by a suffix array (`pydivsufsort`). A lookup
+finds the longest suffix of the context (up to `max_match` tokens) that occurs in the corpus and follows the
+occurrences forward: at each depth the most frequent next token among the occurrences still on the path. Because a
+suffix array sorts the occurrences of a match by what follows it, each depth is one pass over a contiguous sorted
+range.
+
+Each proposed token carries a confidence: the share of the occurrences on the path that continue with it, times
+`min(1, matched / full_match)` where `matched` is the length of the context suffix that the path matches at that
+depth (a short match is weak evidence however unanimous its occurrences). The policies calibrate that confidence
+against verification outcomes as they calibrate a drafter's (`AcceptanceCalibrator`). The proposal is a
+deterministic function of the context, so verifying it is exact at any temperature, as a context lookup is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+class CorpusIndex:
+    """A suffix array over token sequences (`sequences`: lists or 1-D arrays of token ids, kept apart: no match or
+    continuation crosses from one into the next). `max_match`: the longest context suffix looked for; `min_match`:
+    the shortest that proposes anything; `full_match`: the matched length at which a match counts as full evidence
+    (see the module docstring). Building the index over the embedded target's 2.1M regenerated tokens takes about a
+    second."""
+
+    def __init__(self, sequences: Iterable[Sequence[int]], max_match: int = 32, min_match: int = 2,
+                 full_match: int = 8):
+        if not 1 <= min_match <= max_match or full_match < 1:
+            raise ValueError(f"need 1 <= min_match <= max_match and full_match >= 1, got min_match={min_match}, "
+                             f"max_match={max_match}, full_match={full_match}")
+        from pydivsufsort import divsufsort
+
+        parts, count = [], 0
+        for seq in sequences:
+            ids = np.asarray(seq, dtype=np.int64).reshape(-1)
+            if ids.size and ids.min() < 0:
+                raise ValueError("token ids must be >= 0")
+            parts.append(np.concatenate([ids, [-1]]))
+            count += 1
+        if not count:
+            raise ValueError("a corpus needs at least one sequence")
+        # ids + 1, and 0 between sequences: a pattern (ids + 1) never contains 0, so no match spans two sequences
+        text = np.concatenate(parts) + 1
+        if text.max() >= 2**31 - 1:
+            raise ValueError("token ids must be < 2**31 - 1")
+        self.text = text.astype(np.int32)
+        self.suffixes = divsufsort(self.text)
+        self.num_sequences = count
+        self.max_match, self.min_match, self.full_match = max_match, min_match, full_match
+
+    @classmethod
+    def from_regenerated(cls, folder, sets: Sequence[str] | None = None, **kwargs) -> CorpusIndex:
+        """The responses (`response_ids`) of the regenerated files in `folder` (`<set>.jsonl.gz` or `<set>.jsonl`,
+        as `angelspec regenerate` writes them): every set there, or `sets`. Raises `FileNotFoundError` when none
+        is there."""
+        from angelspec_hf.trainer.regenerated_files import read_records, regenerated_file
+
+        folder = Path(folder)
+        if sets is None:
+            sets = sorted({p.name.split(".")[0] for p in folder.glob("*.jsonl*")})
+        paths = [regenerated_file(folder, name) for name in sets]
+        if not paths:
+            raise FileNotFoundError(f"no regenerated responses (<set>.jsonl.gz or <set>.jsonl) in {folder}")
+        return cls((rec["response_ids"] for path in paths for rec in read_records(path)), **kwargs)
+
+    def __len__(self) -> int:
+        """Tokens indexed."""
+        return len(self.text) - self.num_sequences
+
+    def __repr__(self) -> str:
+        return f"CorpusIndex({self.num_sequences} sequences, {len(self)} tokens)"
+
+    # ---- search ---------------------------------------------------------------------------------------------------
+    def _range(self, pattern: list[int]) -> tuple[int, int]:
+        """`[lo, hi)` of the suffixes that start with `pattern` (shifted ids)."""
+        text, sa, m = self.text, self.suffixes, len(pattern)
+        lo, hi = 0, len(sa)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = int(sa[mid])
+            if text[start:start + m].tolist() < pattern:
+                lo = mid + 1
+            else:
+                hi = mid
+        first, hi = lo, len(sa)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = int(sa[mid])
+            if text[start:start + m].tolist() <= pattern:
+                lo = mid + 1
+            else:
+                hi = mid
+        return first, lo
+
+    def longest_match(self, ids) -> tuple[int, int, int]:
+        """`(n, lo, hi)`: the longest suffix of `ids` (a list or 1-D tensor / array of token ids), at most
+        `max_match` tokens, that occurs in the corpus, and the suffix-array range of its occurrences; `n = 0` when
+        not even its last token occurs. A suffix that occurs has every shorter suffix occurring too, so the length is
+        found by bisection."""
+        tail = ids[-self.max_match:]
+        tail = [int(t) + 1 for t in (tail.tolist() if hasattr(tail, "tolist") else tail)]
+        best = (0, 0, 0)
+        lo_n, hi_n = 1, len(tail)
+        while lo_n <= hi_n:
+            n = (lo_n + hi_n) // 2
+            lo, hi = self._range(tail[len(tail) - n:])
+            if hi > lo:
+                best, lo_n = (n, lo, hi), n + 1
+            else:
+                hi_n = n - 1
+        return best
+
+    def continuation(self, ids, num_tokens: int) -> tuple[list[int], list[float]]:
+        """At most `num_tokens` tokens proposed to follow `ids`, and each one's confidence (module docstring);
+        `([], [])` when the longest match is shorter than `min_match`."""
+        n, lo, hi = self.longest_match(ids)
+        if n < self.min_match or num_tokens < 1:
+            return [], []
+        text, starts = self.text, self.suffixes[lo:hi].astype(np.int64) + n
+        tokens, confidences = [], []
+        for depth in range(num_tokens):
+            # the occurrences still on the path share their first n + depth tokens: their next tokens come sorted
+            following = text[starts + depth]  # a sequence ends in 0 before the text does: never out of range
+            edges = np.flatnonzero(np.diff(following)) + 1
+            bounds = np.concatenate([[0], edges, [len(following)]])
+            runs = np.diff(bounds)
+            if following[0] == 0:  # occurrences at a sequence's end propose nothing
+                runs[0] = 0
+            best = int(np.argmax(runs))
+            if runs[best] == 0:
+                break
+            tokens.append(int(following[bounds[best]]) - 1)
+            confidences.append(float(runs[best]) / len(following) * min(1.0, (n + depth) / self.full_match))
+            starts = starts[bounds[best]:bounds[best + 1]]
+        return tokens, confidences

@@ -1,0 +1,115 @@
+"""`CorpusIndex` (lookups in a corpus of the target's earlier outputs) against a brute-force reference, and its
+errors."""
+
+import gzip
+import json
+import random
+
+import pytest
+
+from angelspec_hf.policy import CorpusIndex
+
+
+def reference(sequences, ids, num_tokens, max_match, min_match, full_match):
+    """Scan every sequence: the longest suffix of `ids` (<= max_match) that occurs, then depth by depth the most
+    frequent next token among the occurrences still on the path (ties: the smaller id), and its confidence."""
+    texts = [list(s) for s in sequences]
+    tail = list(ids)[-max_match:]
+    best_n, ends = 0, []
+    for n in range(1, len(tail) + 1):
+        pattern = tail[len(tail) - n:]
+        found = [(i, j + n) for i, t in enumerate(texts) for j in range(len(t) - n + 1) if t[j:j + n] == pattern]
+        if not found:
+            break
+        best_n, ends = n, found
+    if best_n < min_match:
+        return [], []
+    tokens, confidences = [], []
+    for depth in range(num_tokens):
+        nexts = [texts[i][e + depth] if e + depth < len(texts[i]) else None for i, e in ends]
+        counts = {}
+        for t in nexts:
+            if t is not None:
+                counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            break
+        token = min(counts, key=lambda t: (-counts[t], t))
+        tokens.append(token)
+        confidences.append(counts[token] / len(nexts) * min(1.0, (best_n + depth) / full_match))
+        ends = [(i, e) for (i, e), t in zip(ends, nexts) if t == token]
+    return tokens, confidences
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_continuations_equal_a_brute_force_scan(seed):
+    """Random corpora over a small vocabulary (so matches are long and ties frequent), contexts taken from the corpus
+    and random ones: the same tokens and confidences as scanning every sequence."""
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 6, 40])
+    sequences = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 30))] for _ in range(rng.randrange(1, 12))]
+    kwargs = dict(max_match=rng.choice([4, 8, 32]), min_match=rng.choice([1, 2, 3]), full_match=rng.choice([1, 5]))
+    kwargs["min_match"] = min(kwargs["min_match"], kwargs["max_match"])
+    index = CorpusIndex(sequences, **kwargs)
+    assert len(index) == sum(len(s) for s in sequences)
+    for _ in range(60):
+        source = rng.choice(sequences)
+        if source and rng.random() < 0.7:
+            start = rng.randrange(len(source))
+            ids = source[start:start + rng.randrange(1, 12)]
+        else:
+            ids = [rng.randrange(vocab + 2) for _ in range(rng.randrange(1, 10))]
+        num_tokens = rng.randrange(0, 8)
+        got = index.continuation(ids, num_tokens)
+        want = reference(sequences, ids, num_tokens, **kwargs)
+        assert got[0] == want[0], (ids, got, want)
+        assert got[1] == pytest.approx(want[1])
+
+
+def test_no_match_or_continuation_crosses_from_one_sequence_into_the_next():
+    index = CorpusIndex([[1, 2, 3], [4, 5, 6]], min_match=1)
+    assert index.continuation([3], 4) == ([], [])  # 3 ends its sequence: nothing follows it
+    assert index.continuation([2, 3], 4) == ([], [])
+    assert index.continuation([1, 2], 4)[0] == [3]  # not [3, 4, 5, 6]
+    tokens, _ = index.continuation([9, 3, 4], 2)  # "3 4" spans the two sequences: only "4" matches
+    assert tokens == [5, 6]
+
+
+def test_confidence_weighs_the_share_of_occurrences_and_the_matched_length():
+    index = CorpusIndex([[1, 2, 3, 9], [1, 2, 3, 9], [1, 2, 3, 8], [5, 2, 3, 9]], min_match=1, full_match=4)
+    tokens, confidences = index.continuation([1, 2, 3], 1)  # 2 of 3 occurrences go on with 9, matched 3 of 4
+    assert tokens == [9] and confidences[0] == pytest.approx(2 / 3 * 3 / 4)
+    tokens, confidences = index.continuation([0, 2, 3], 1)  # only "2 3" matches: 3 of 4 go on with 9, 2 of 4
+    assert tokens == [9] and confidences[0] == pytest.approx(3 / 4 * 2 / 4)
+
+
+def test_a_tensor_context_reads_as_its_list():
+    import torch
+
+    index = CorpusIndex([[1, 2, 3, 4, 5]], min_match=1)
+    assert index.continuation(torch.tensor([9, 2, 3]), 3) == index.continuation([9, 2, 3], 3)
+
+
+def test_from_regenerated_reads_both_file_formats(tmp_path):
+    rows = [{"id": "a", "response_ids": [1, 2, 3, 4]}, {"id": "b", "response_ids": [1, 2, 5]}]
+    with gzip.open(tmp_path / "math.jsonl.gz", "wt") as f:
+        f.write(json.dumps(rows[0]) + "\n")
+    (tmp_path / "code.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    index = CorpusIndex.from_regenerated(tmp_path, min_match=1)
+    assert index.num_sequences == 2 and len(index) == 7
+    assert CorpusIndex.from_regenerated(tmp_path, sets=["code"], min_match=1).continuation([1, 2], 2)[0] == [5]
+    with pytest.raises(FileNotFoundError, match="regenerate"):
+        CorpusIndex.from_regenerated(tmp_path, sets=["chat"])
+    with pytest.raises(FileNotFoundError, match="no regenerated responses"):
+        CorpusIndex.from_regenerated(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("sequences, kwargs, message", [
+    ([], {}, "at least one sequence"),
+    ([[1, -2]], {}, ">= 0"),
+    ([[1]], {"min_match": 0}, "min_match"),
+    ([[1]], {"min_match": 5, "max_match": 4}, "min_match"),
+    ([[1]], {"full_match": 0}, "full_match"),
+])
+def test_bad_arguments_get_a_clear_error(sequences, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CorpusIndex(sequences, **kwargs)
