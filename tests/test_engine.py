@@ -13,7 +13,7 @@ from angelspec_hf.tgi_patch.engine.kernels import reference
 from angelspec_hf.policy import AcceptanceCalibrator, CostModel, StepKind, load_or_profile
 from angelspec_hf.tgi_patch.engine import SamplingParams, SpeculativeEngine, StepTrace, generate_batch
 from helpers import tiny_drafter, tiny_target
-from stats import (PROMPT, ImpossibleSample, assert_power, correction_from_p, exact_distribution, peaked_drafter,
+from stats import (PROMPT, VOCAB, ImpossibleSample, assert_power, correction_from_p, exact_distribution, peaked_drafter,
                    processed_logprobs, report, sequence_fit, single_thread, spread_target)
 
 FIXED_COST = CostModel((1.0, 0.05, 0.02), (0.2, 0.01))  # tests that do not exercise profiling
@@ -883,19 +883,23 @@ def test_seeded_sampling_is_exact_with_power(spread, case, monkeypatch):
 REPEATING = [[5, 7, 9, 11, 5, 7, 9, 11, 5, 7], [20, 21, 22, 20, 21], [30, 31, 30, 31, 30, 31, 30], [40, 41, 42]]
 
 
-@pytest.mark.parametrize("family,verify", [("mtp", "full"), ("dflash", 6), ("dfly", "auto")])
-def test_lookup_proposals_keep_greedy_output(targets, family, verify):
-    target, twin = targets
-    drafter = tiny_drafter(family, target)
+def greedy_with_lookups(target, drafter, verify, prompts, max_new_tokens=20):
+    """Every prompt's greedy output through an engine with lookups of up to 4 tokens, and the engine's stats."""
     engine = SpeculativeEngine(target, drafter, verify=verify, max_batch_size=4, cost_model=MARGINAL_COST,
                                lookup_tokens=4)
-    outputs, ids = {}, [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in REPEATING]
+    outputs, ids = {}, [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
     while engine.has_work():
         for event in engine.step():
             outputs.setdefault(event.request_id, []).extend(event.token_ids)
-    for rid, prompt in zip(ids, REPEATING):
-        assert outputs[rid] == plain_greedy(twin, prompt, 20)
-    assert engine.stats["lookup_rows"] > 0 and engine.stats["accepted"] > 0
+    return [outputs[rid] for rid in ids], engine.stats
+
+
+@pytest.mark.parametrize("family,verify", [("mtp", "full"), ("dflash", 6), ("dfly", "auto")])
+def test_lookup_proposals_keep_greedy_output(targets, family, verify):
+    target, twin = targets
+    outputs, stats = greedy_with_lookups(target, tiny_drafter(family, target), verify, REPEATING)
+    assert outputs == [plain_greedy(twin, prompt, 20) for prompt in REPEATING]
+    assert stats["lookup_rows"] > 0 and stats["accepted"] > 0
 
 
 class LookupWithDrafterQEngine(SpeculativeEngine):
@@ -922,24 +926,67 @@ def sample_repeated(engine, prompt, steps, draws, temperature=0.8):
     return [tuple(outputs[i]) for i in ids], engine.stats
 
 
-def test_lookup_proposals_keep_sampling_exact_with_power(spread):
-    prompt, steps, draws = [3, 5, 4, 3, 5], 3, 4000
-    target = spread
-    drafter = peaked_drafter("dfly", target)
+def assert_lookups_keep_sampling_exact(target, drafter, prompt, rows: str, setup=lambda engine: None,
+                                       steps=3, draws=4000):
+    """`draws` rejection-sampled requests of `prompt` (temperature 0.8) through an engine with lookups (`setup` run
+    on it first) fit the target's exact distribution, with more than a fifth of them verifying a lookup (the stats'
+    `rows`), while the same engine verifying lookup rows against the drafter's q is rejected."""
     exact = exact_distribution(target, steps, prompt=torch.tensor([prompt]), temperature=0.8)
 
     def sample(engine_cls):
         engine = engine_cls(target, drafter, verify="full", max_batch_size=64, cost_model=FIXED_COST, lookup_tokens=3)
+        setup(engine)
         return sample_repeated(engine, prompt, steps, draws)
 
     with single_thread():
         samples, stats = sample(SpeculativeEngine)
-        assert stats["lookup_rows"] > 0.2 * draws and stats["accepted"] > 0
+        assert stats[rows] > 0.2 * draws and stats["accepted"] > 0
         right = _fit(samples, exact)
         wrong = {"lookup verified with the drafter's q": _fit(sample(LookupWithDrafterQEngine)[0], exact)}
-    report(f"engine lookup: {draws} draws, {stats['lookup_rows']} lookup rows, accepted {stats['accepted']}/"
-           f"{stats['verified']}", right, **wrong)
+    report(f"engine {rows}: {draws} draws, {stats[rows]} {rows}, accepted {stats['accepted']}/{stats['verified']}",
+           right, **wrong)
     assert_power(right, wrong)
+
+
+def test_lookup_proposals_keep_sampling_exact_with_power(spread):
+    assert_lookups_keep_sampling_exact(spread, peaked_drafter("dfly", spread), [3, 5, 4, 3, 5], "lookup_rows")
+
+
+# ---- corpus lookups in the engine -------------------------------------------------------------------------------
+@pytest.mark.parametrize("family,verify", [("mtp", "full"), ("dflash", 6), ("dfly", "auto")])
+def test_corpus_lookups_keep_greedy_output(targets, family, verify):
+    """A drafter with a `lookup_corpus` (the target's own greedy replies: the first 8 tokens of some, others whole):
+    rows take corpus lookups, and every output is still plain greedy decoding's."""
+    from angelspec_hf.policy import CorpusIndex
+
+    target, twin = targets
+    prompts = [[9, 14, 23], [31, 8, 17, 4], [50, 61], [70, 3, 88, 12]]
+    replies = [plain_greedy(twin, p, 20) for p in prompts]
+    drafter = tiny_drafter(family, target)
+    drafter.lookup_corpus = CorpusIndex([r[:8] for r in replies[:2]] + replies[2:])
+    outputs, stats = greedy_with_lookups(target, drafter, verify, prompts)
+    assert outputs == replies
+    assert stats["corpus_rows"] > 0 and stats["accepted"] > 0
+
+
+def test_corpus_lookups_keep_sampling_exact_with_power(spread):
+    """Rejection-sampled rows that take a corpus lookup (q one-hot on each proposed token) keep the target's
+    distribution; verified against the drafter's q instead, they are rejected."""
+    import itertools
+
+    from angelspec_hf.policy import CorpusIndex
+
+    drafter = peaked_drafter("dfly", spread)
+    # after the prompt's "6 1", every pair of tokens: a lookup is on offer at each step, its path the most frequent
+    drafter.lookup_corpus = CorpusIndex([[6, 1, a, b] for a, b in itertools.product(range(VOCAB), repeat=2)]
+                                        + [[1, 2, 3]] * 4, min_match=1)
+
+    def corpus_first(engine):  # corpus lookups planned as near certain and the drafter's blocks as hopeless,
+        # whatever they achieve: rows take the corpus's lookup wherever there is one
+        engine.policy.corpus_calibrator = AcceptanceCalibrator(prior=0.99, prior_weight=1e12).to(engine.device)
+        engine.policy.calibrator = AcceptanceCalibrator(prior=0.01, prior_weight=1e12).to(engine.device)
+
+    assert_lookups_keep_sampling_exact(spread, drafter, [3, 5, 4, 6, 1], "corpus_rows", corpus_first)
 
 
 # ---- lookup-only steps: n-gram proposals verified without running the drafter ---------------------------------------

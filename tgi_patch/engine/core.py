@@ -59,6 +59,7 @@ class Proposal:
     draft_rows: int = 0  # the rows of the drafting call
     draft_features: int = 0  # the padded pending feature positions it ingested
     num_drafted_host: list[int] | None = None  # `num_drafted` where the host knows it without reading it
+    corpus: torch.Tensor | None = None  # [B] bool: of the `lookup` rows, those carrying a corpus lookup
 
     @property
     def drafted(self) -> bool:
@@ -135,12 +136,15 @@ class SpeculativeEngine:
             measure=config.measure_rates, plan=self.plan_acceptance)
         self.policy.calibrator.to(self.device)  # updated and read by every step where the step runs
         self.policy.lookup_calibrator.to(self.device)
+        # lookups in the drafter's corpus of the target's earlier outputs, beside the n-gram ones
+        self.policy.corpus = getattr(drafter, "lookup_corpus", None) if lookup_tokens else None
+        self.policy.corpus_calibrator.to(self.device)
         self.scheduler = Scheduler(max_batch_size, config.max_prefill_tokens, release=self._release)
         self.last_step: StepTrace | None = None
         self._probe_rows_host: list[int] | None = None  # a probe's rows as `_propose` chose them, for `_draft`
         self.totals = {"steps": 0, "speculative_steps": 0, "tokens": 0, "decode_row_steps": 0, "drafted": 0,
-                       "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "lookup_steps": 0, "requests_finished": 0,
-                       "seconds": 0.0}
+                       "verified": 0, "accepted": 0, "pruned": 0, "lookup_rows": 0, "corpus_rows": 0, "lookup_steps": 0,
+                       "requests_finished": 0, "seconds": 0.0}
         if self.policy.mode == "auto":
             _ = self.cost_model  # profiled (or read from the cache) now, before any request: it uses idle slots
 
@@ -234,7 +238,7 @@ class SpeculativeEngine:
         try:
             # 1. draft; 2. choose what to verify
             proposal = self._propose(batch)
-            accept = self._acceptance(proposal.conf, proposal.lookup)
+            accept = self._acceptance(proposal.conf, proposal.lookup, proposal.corpus)
             depth = self._select(accept, proposal.num_drafted, batch.num_decode, trace, batch.sampled, proposal)
             # the forward's shape: the depths, known to the host unless D-Cut chose them on the device (a budget,
             # "auto", n-gram lookups), where they are the step's one read before the forward
@@ -290,7 +294,7 @@ class SpeculativeEngine:
         D-Cut backing off)."""
         n_pre = batch.num_prefill
         tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
-        probs = conf = lookup = row_limit = drafter_rows = rows_host = None
+        probs = conf = lookup = corpus = row_limit = drafter_rows = rows_host = None
         kind, seconds, features, draft_rows, drafted_width = StepKind.PLAIN, 0.0, 0, 0, 0
         remaining = batch.remaining_host[n_pre:]  # every decision below reads host values only
         if batch.num_decode > 0:
@@ -312,10 +316,11 @@ class SpeculativeEngine:
             seconds = clock(self.device) - start
             tokens, probs, conf, lookup, row_limit = drafted.tokens, drafted.probs, drafted.conf, drafted.use, \
                 drafted.lengths
-            drafter_rows, drafted_width = drafted.drafter_rows, drafted.width
+            drafter_rows, drafted_width, corpus = drafted.drafter_rows, drafted.width, drafted.corpus
         elif kind == StepKind.LOOKUP:
             found = self._lookup_only(batch)
             tokens, probs, conf, lookup, row_limit = found.tokens, found.probs, found.conf, found.use, found.lengths
+            corpus = found.corpus
         if kind != StepKind.PLAIN:
             tokens, conf = _pad_rows(tokens, n_pre), _pad_rows(conf, n_pre)
             probs = _pad_rows(probs, n_pre) if probs is not None else None
@@ -327,6 +332,7 @@ class SpeculativeEngine:
         if row_limit is not None:
             num_drafted[n_pre:] = torch.minimum(num_drafted[n_pre:], row_limit)
             lookup = torch.cat([lookup.new_zeros(n_pre), lookup])
+            corpus = None if corpus is None else torch.cat([corpus.new_zeros(n_pre), corpus])
             # the host knows the limit of a probe without lookups (its rows' width); a lookup's is the device's
             probed = set(rows_host) if kind == StepKind.PROBE and not self.policy.uses_lookup else None
             num_drafted_host = None if probed is None else [
@@ -338,7 +344,7 @@ class SpeculativeEngine:
             # what D-Cut may remember of the drafter: blocks not cut short by their request's end
             full_rows = drafter_rows & (batch.remaining - 1 >= drafted_width)
         return Proposal(tokens, probs, conf, lookup, num_drafted, kind, drafter_rows, full_rows, seconds, draft_rows,
-                        features, num_drafted_host)
+                        features, num_drafted_host, corpus if row_limit is not None else None)
 
     def _draft(self, batch: ScheduledBatch, rows=None) -> Drafted:
         """The decoding rows' proposals when the drafter drafts for all of them, or for the decoding rows `rows`
@@ -368,11 +374,11 @@ class SpeculativeEngine:
             probs = _scatter_rows(probs, rows, n_dec) if probs is not None else None
         if not self.policy.uses_lookup:
             limit = None if rows is None else torch.where(drafted, width, 0)
-            return Drafted(tokens, probs, conf, None if rows is None else torch.zeros_like(drafted), limit, drafted,
-                           width)
+            return Drafted(tokens, probs, conf, None if rows is None else torch.zeros_like(drafted), limit, None,
+                           drafted, width)
         found = self._lookup(requests, batch.remaining_host[n_pre:], batch.sampled[dec], tokens, probs, conf,
                              None if rows is None else drafted)
-        return Drafted(found.tokens, found.probs, found.conf, found.use, found.lengths, drafted, width)
+        return Drafted(found.tokens, found.probs, found.conf, found.use, found.lengths, found.corpus, drafted, width)
 
     def _lookup_only(self, batch: ScheduledBatch) -> LookupChoice:
         """The proposals of a lookup step: each decoding row's n-gram lookup, where it has one, and nothing
@@ -390,7 +396,8 @@ class SpeculativeEngine:
         in one copy (`_read`); the runner keeps the accepted tokens (KV, drafter features, anchors); the scheduler
         hands them to their requests and finishes those that ended. Returns the events and what was read."""
         if proposal.kind != StepKind.PLAIN:
-            self.policy.observe(proposal.conf, depth, verified.num_accepted, proposal.proposed, proposal.lookup)
+            self.policy.observe(proposal.conf, depth, verified.num_accepted, proposal.proposed, proposal.lookup,
+                                proposal.corpus)
         host = self._read(proposal, verified, trace)
         host["depth"] = depth_host
         self.runner.advance(forward, batch.slots, verified.num_accepted, verified.emitted, verified.next_token,
@@ -419,6 +426,8 @@ class SpeculativeEngine:
             parts["num_drafted"] = (proposal.num_drafted, (rows,))
         if proposal.lookup is not None:
             parts["lookup"] = (proposal.lookup, (rows,))
+        if proposal.corpus is not None:
+            parts["corpus"] = (proposal.corpus, (rows,))
         if verified.top_candidates is not None:
             values, ids = verified.top_candidates
             parts["top_values"], parts["top_ids"] = (values, tuple(values.shape)), (ids, tuple(ids.shape))
@@ -478,6 +487,7 @@ class SpeculativeEngine:
         t["accepted"] += accepted
         t["pruned"] += trace.pruned_tokens
         t["lookup_rows"] += sum(host["lookup"]) if "lookup" in host else 0
+        t["corpus_rows"] += sum(host["corpus"]) if "corpus" in host else 0
         t["seconds"] += seconds
         decode_tokens = accepted + batch.num_decode
         # the measured kind: what the step cost is what it did (a lookup step that verified nothing was plain)
@@ -520,8 +530,8 @@ class SpeculativeEngine:
         """Each request's sampling distribution: `verification.process_requests`."""
         return verification.process_requests(logits, requests, span)
 
-    def _acceptance(self, conf, lookup):
-        return self.policy.acceptance(conf, lookup)
+    def _acceptance(self, conf, lookup, corpus=None):
+        return self.policy.acceptance(conf, lookup, corpus)
 
     def _lookup(self, requests, remaining, sampled, tokens, probs, conf, drafted=None) -> LookupChoice:
         span = self.policy.lookup_tokens

@@ -50,13 +50,15 @@ def parse_verify(verify) -> tuple[str, int | None]:
 class LookupChoice:
     """`DCutPolicy.lookup`'s proposals, per decoding row: the draft `tokens [B, K']`, `probs [B, K', V]` (None:
     every row greedy) and `conf [B, K']` widened to the longest lookup, with n-gram lookups in the rows that took
-    them (`use [B]` bool), and how many positions each row carries (`lengths [B]`)."""
+    them (`use [B]` bool; `corpus [B]` bool, None without a corpus: those whose lookup was the corpus's), and how
+    many positions each row carries (`lengths [B]`)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     conf: torch.Tensor
     use: torch.Tensor
     lengths: torch.Tensor
+    corpus: torch.Tensor | None = None  # [B] bool: of the rows that took a lookup, those that took the corpus's
 
 
 class DCutPolicy:
@@ -65,7 +67,8 @@ class DCutPolicy:
 
     `load_cost_model()` gives the cost model when it is first needed (profiling the model runner); n-gram lookups
     replace a row's drafted block when `lookup_tokens` > 0, their confidence (matched n-gram length /
-    `lookup_max_ngram`) calibrated on its own.
+    `lookup_max_ngram`) calibrated on its own, and so do lookups in `corpus` (a `CorpusIndex` of the target's earlier
+    outputs) where one is set, each row taking the lookup expected to have more tokens accepted.
 
     Each "auto" step is one of four kinds (`step_kind`), decided before anything is drafted: **draft** (the drafter
     runs; lookups may replace rows), **probe** (the drafter runs for a few rows only, see below), **lookup** (n-gram
@@ -100,6 +103,10 @@ class DCutPolicy:
         self._cost_model, self._load_cost_model = cost_model, load_cost_model
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.lookup_calibrator = AcceptanceCalibrator(prior=0.5)
+        # lookups in a corpus of the target's earlier outputs (`angelspec_hf.policy.CorpusIndex`; the engine sets it
+        # from its drafter's `lookup_corpus`), their per-token confidences calibrated on their own
+        self.corpus = None
+        self.corpus_calibrator = AcceptanceCalibrator(prior_weight=2.0, prior_scale=0.8)
         self.lookup_tokens, self.lookup_max_ngram = lookup_tokens, lookup_max_ngram
         self.probe_every = probe_every
         self._backoffs: dict[tuple[str, int], BackOff] = {}  # ("drafter" | "lookup", batch-size bucket)
@@ -297,22 +304,44 @@ class DCutPolicy:
         width, dev = tokens.shape[1], tokens.device
         if torch.is_tensor(remaining):
             remaining = remaining.tolist()
-        found = [NgramIndex.of(r, self.lookup_max_ngram).continuation(max(0, min(span, left - 1)))
-                 for r, left in zip(requests, remaining)]
+        spans = [max(0, min(span, left - 1)) for left in remaining]
+        indexes = [NgramIndex.of(r, self.lookup_max_ngram) for r in requests]
+        found = [index.continuation(n) for index, n in zip(indexes, spans)]
+        # the corpus's continuation of each context (`CorpusIndex`): tokens and per-token confidences
+        in_corpus = None if self.corpus is None else [self.corpus.continuation(index.ids, n) if n else ([], [])
+                                                     for index, n in zip(indexes, spans)]
         lengths_host = [len(cont) for cont, _ in found]
-        wide = max(width, max(lengths_host, default=0))
+        corpus_host = [len(cont) for cont, _ in in_corpus] if in_corpus is not None else []
+        wide = max(width, max(lengths_host, default=0), max(corpus_host, default=0))
         # every row's lookup, its length and matched n-gram in one copy to the device
         packed = upload([cont + [0] * (wide - len(cont)) + [len(cont), n] for cont, n in found], dev).reshape(
             len(requests), wide + 2)
         lengths = packed[:, wide]
         own = torch.full_like(lengths, width) if drafted is None else torch.where(drafted, width, 0)
-        if not any(lengths_host):
-            return LookupChoice(tokens, probs, conf, torch.zeros_like(lengths, dtype=torch.bool), own)
+        if not any(lengths_host) and not any(corpus_host):
+            none = torch.zeros_like(lengths, dtype=torch.bool)
+            return LookupChoice(tokens, probs, conf, none, own, None if in_corpus is None else none)
         l_tokens = packed[:, :wide]
-        valid = torch.arange(wide, device=dev)[None, :] < lengths[:, None]
+        ar = torch.arange(wide, device=dev)[None, :]
+        valid = ar < lengths[:, None]
         matched = packed[:, wide + 1] / self.lookup_max_ngram
         l_conf = torch.where(valid, matched[:, None].expand(-1, wide), torch.zeros((), device=dev))
         l_expected = (torch.cumprod(self.lookup_calibrator(l_conf), 1) * valid).sum(1)
+        from_corpus = None
+        if in_corpus is not None:  # each row takes the lookup expected to have more tokens accepted
+            c_tokens = upload([cont + [0] * (wide - len(cont)) for cont, _ in in_corpus], dev).reshape(len(requests),
+                                                                                                      wide)
+            c_conf = upload([c + [0.0] * (wide - len(c)) for _, c in in_corpus], dev, torch.float32).reshape(
+                len(requests), wide)
+            c_lengths = upload(corpus_host, dev)
+            c_valid = ar < c_lengths[:, None]
+            c_expected = (torch.cumprod(self.corpus_calibrator(c_conf), 1) * c_valid).sum(1)
+            from_corpus = (c_lengths > 0) & (c_expected > l_expected)
+            l_tokens = torch.where(from_corpus[:, None], c_tokens, l_tokens)
+            l_conf = torch.where(from_corpus[:, None], c_conf, l_conf)
+            valid = torch.where(from_corpus[:, None], c_valid, valid)
+            lengths = torch.where(from_corpus, c_lengths, lengths)
+            l_expected = torch.maximum(l_expected, c_expected)
         d_expected = torch.zeros(len(requests), device=dev)
         if width:
             d_expected = torch.cumprod(self.plan(self.calibrator(conf), sampled), 1).sum(1)
@@ -328,17 +357,21 @@ class DCutPolicy:
         if probs is not None:
             one_hot = torch.zeros_like(widen(probs)).scatter_(2, l_tokens[..., None], 1.0)
             probs = torch.where(use[:, None, None], one_hot, widen(probs))
-        return LookupChoice(tokens, probs, conf, use, torch.where(use, lengths, own))
+        return LookupChoice(tokens, probs, conf, use, torch.where(use, lengths, own),
+                            None if from_corpus is None else use & from_corpus)
 
     # ---- choosing what to verify -------------------------------------------------------------------------------------
-    def acceptance(self, conf, lookup):
+    def acceptance(self, conf, lookup, corpus=None):
         """Calibrated acceptance `[B, K]` of every drafted position (None when nothing was drafted): the drafter's
-        calibration, or the lookup's for rows that carry an n-gram lookup."""
+        calibration, or the lookup's for rows that carry an n-gram lookup, the corpus lookups' for rows that carry
+        one (`corpus [B]`)."""
         if conf is None or conf.shape[1] == 0:
             return None
         accept = self.calibrator(conf)
         if lookup is not None:
             accept = torch.where(lookup[:, None], self.lookup_calibrator(conf), accept)
+        if corpus is not None:
+            accept = torch.where(corpus[:, None], self.corpus_calibrator(conf), accept)
         return accept
 
     def select(self, accept, num_drafted, n_dec: int, sampled, drafted: bool = True, drafter_rows=None,
@@ -390,10 +423,13 @@ class DCutPolicy:
         return depth, survival
 
     # ---- after verification ------------------------------------------------------------------------------------------
-    def observe(self, conf, depth, num_accepted, drafted_rows, lookup) -> None:
+    def observe(self, conf, depth, num_accepted, drafted_rows, lookup, corpus=None) -> None:
         """Calibrate on the step's outcomes: the rows that drafted (`drafted_rows [B]` bool), each with the calibrator
-        of what it verified (the drafter's block, or an n-gram lookup where `lookup [B]`)."""
+        of what it verified (the drafter's block, an n-gram lookup where `lookup [B]`, or a corpus lookup where
+        `corpus [B]` too)."""
+        ngram = None if lookup is None else drafted_rows & lookup & (True if corpus is None else ~corpus)
         for calibrator, chosen in ((self.calibrator, drafted_rows if lookup is None else drafted_rows & ~lookup),
-                                   (self.lookup_calibrator, None if lookup is None else drafted_rows & lookup)):
+                                   (self.lookup_calibrator, ngram),
+                                   (self.corpus_calibrator, None if corpus is None else drafted_rows & corpus)):
             if chosen is not None:  # every row, weighted by `chosen`: nothing is read back
                 calibrator.update(conf, depth, num_accepted, chosen)
