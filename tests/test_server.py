@@ -473,6 +473,40 @@ def test_cli_serve_refuses_bad_sizes_before_loading_anything(flag, value, capsys
     assert "loading target" not in out
 
 
+def test_cli_serve_refuses_a_lookup_corpus_without_replies_before_loading_anything(tmp_path, capsys):
+    from angelspec_hf.cli import main
+
+    assert main(["serve", "--lookup-corpus", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "--lookup-corpus" in err and "holds no regenerated replies" in err and "loading target" not in out, err
+
+
+def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):
+    """`--lookup-corpus <regenerated replies>`: the served engine looks up in it beside each request's context, and
+    /info says how many tokens it holds; 'none' leaves the context alone."""
+    from angelspec_hf.tgi_patch.engine import EngineConfig
+    from angelspec_hf.tgi_patch.server import build_app
+    from angelspec_hf.tgi_patch.server.config import ServeConfig
+    from helpers import tiny_chat_target, tiny_drafter
+
+    target, tokenizer = tiny_chat_target()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_drafter("dfly", target, lookup_tokens=4).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "replies").mkdir()
+    (tmp_path / "replies" / "mine.jsonl").write_text(json.dumps({"id": "0", "response_ids": [5, 6, 7]}) + "\n")
+    seen = {}
+    for corpus in (str(tmp_path / "replies"), "none"):
+        config = ServeConfig(target=str(tmp_path / "target"), drafter=str(tmp_path / "drafter"), threads=1,
+                             linear_kernels="stock", lookup_corpus=corpus, engine=EngineConfig(verify="full"))
+        lines = []
+        app, engine = build_app(config, log=lines.append)
+        seen[corpus] = engine.policy.corpus, "\n".join(lines)
+    corpus, log = seen[str(tmp_path / "replies")]
+    assert corpus is not None and len(corpus) == 3 and "corpus of 1 earlier replies (3 tokens)" in log
+    assert seen["none"][0] is None and "corpus" not in seen["none"][1]
+
+
 @pytest.mark.real_model
 def test_cli_serve_and_sigint_mid_stream():
     """`angelspec serve` in its own process: it serves, and on SIGINT the open stream still completes before the

@@ -266,6 +266,11 @@ def build_app(config: ServeConfig, log=print):
     from angelspec_hf.tgi_patch.engine import SpeculativeEngine
 
     torch.set_num_threads(config.threads)
+    corpus = None
+    if config.lookup_corpus not in (None, "none"):  # read first: a wrong folder is said before the target loads
+        from angelspec_hf.policy import CorpusIndex
+
+        corpus = CorpusIndex.from_regenerated(config.lookup_corpus)
     model_id = config.target or DEFAULT_TARGET
     device = resolve_device(config.device)  # a device this machine lacks: `DeviceError` before anything loads
     dtype = resolve_dtype(config.dtype, device)
@@ -277,6 +282,11 @@ def build_app(config: ServeConfig, log=print):
                                      if choice.kind == "untrained" else "."))
     elif choice.kind != "none":
         log(f"drafter: {choice.note}")
+    if choice.drafter is not None and config.lookup_corpus is not None:
+        choice.drafter.lookup_corpus = corpus
+    corpus = getattr(choice.drafter, "lookup_corpus", None)
+    if corpus is not None:
+        log(f"lookups: also in a corpus of {corpus.num_sequences:,} earlier replies ({len(corpus):,} tokens)")
     kernels = use_linear_kernels(config.linear_kernels, target, choice.drafter)
     log(f"linear kernels: {kernels}")
     engine_config = config.engine
@@ -292,6 +302,7 @@ def build_app(config: ServeConfig, log=print):
                 for name, value in asdict(engine.config).items()}
     info = {"drafter": "ngram-lookup" if choice.kind == "lookup" else config.drafter,
             "drafter_trained": choice.kind in ("trained", "given"), "verify": engine.config.verify,
+            "lookup_corpus_tokens": len(corpus) if corpus is not None and engine.policy.corpus is not None else 0,
             "max_batch_size": engine.config.max_batch_size, "linear_kernels": kernels, "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."), "engine": settings}
     return create_app(engine, tokenizer, model_id, limits, info_extra={"angelspec": info}), engine

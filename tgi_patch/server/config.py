@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from angelspec_hf.cpu_kernels import KERNELS
 from angelspec_hf.tgi_patch.engine.config import EngineConfig, check_fields
@@ -34,6 +35,10 @@ class ServeConfig:
     drafter: str = field(default="dfly", metadata={"help": (
         "mtp | dflash | dfly (the shipped one; n-gram lookup where none fits the target) | untrained[:FAMILY] (for "
         "experiments) | none | a drafter folder/id")})
+    lookup_corpus: str | None = field(default=None, metadata={"help": (
+        "a folder of the target's regenerated replies (`angelspec regenerate`'s output) for the drafter's lookups "
+        "to look in beside each request's context; none: the context alone (default: the shipped drafters' own "
+        "corpus, none for other drafters)")})
     device: str = field(default="auto", metadata={"help": (
         "where the models run: auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:N")})
     dtype: str = field(default="auto", metadata={"help": (
@@ -66,6 +71,9 @@ class ServeConfig:
         check_fields(self)
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
+        if self.lookup_corpus not in (None, "none") and not any(Path(self.lookup_corpus).glob("*.jsonl*")):
+            raise ValueError(f"lookup_corpus {self.lookup_corpus!r} holds no regenerated replies (<set>.jsonl.gz or "
+                             "<set>.jsonl, as `angelspec regenerate` writes them)")
         if self.linear_kernels not in KERNELS:
             raise ValueError(f"linear_kernels must be one of {', '.join(KERNELS)}, got {self.linear_kernels!r}")
 
