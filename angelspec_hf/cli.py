@@ -251,6 +251,10 @@ def cmd_serve(args) -> int:
     from angelspec_hf.tgi_patch.server import build_app, serve
 
     config = args.config
+    if config.lookup_corpus not in (None, "none") and not any(Path(config.lookup_corpus).glob("*.jsonl*")):
+        print(f"angelspec serve: error: argument --lookup-corpus: {config.lookup_corpus} holds no regenerated replies "
+              "(<set>.jsonl.gz or <set>.jsonl, as `angelspec regenerate` writes them)", file=sys.stderr)
+        return 2  # said before the target loads
     app, _ = build_app(config, log=lambda text: print(text, flush=True))
     # uvicorn's own grace outlasts the streams' (`graceful_shutdown_s`), so that they end cleanly
     serve(app, host=config.host, port=config.port, graceful_shutdown_s=math.ceil(config.graceful_shutdown_s) + 5)

@@ -375,13 +375,14 @@ def compare(models: DemoModels, prompt, drafter="auto", block_size=8, temperatur
             used = assistant.drafters[assistant.choices[-1][1]] if drafter == "auto" else assistant
             routed = assistant.choices[-1] if drafter == "auto" else None
             draft_tokens = used.num_draft_tokens
+            lookup_tokens = int(getattr(used.config, "lookup_tokens", 0) or 0)
     state["spec"]["text"] = spec.finish()
     state.update(phase="done", done=True, summary=summarize(models, state, drafter, stats, routed, draft_tokens,
-                                                            plain.ids, spec.ids))
+                                                            plain.ids, spec.ids, lookup_tokens))
     yield state
 
 
-def summarize(models, state, drafter, stats, routed, draft_tokens, plain_ids, spec_ids) -> dict:
+def summarize(models, state, drafter, stats, routed, draft_tokens, plain_ids, spec_ids, lookup_tokens) -> dict:
     family = routed[1] if routed else drafter
     origins = [o for o, _ in token_origins(state["spec"]["chunks"])]
     plain, spec = state["plain"], state["spec"]
@@ -389,6 +390,9 @@ def summarize(models, state, drafter, stats, routed, draft_tokens, plain_ids, sp
     return {
         "drafter": family, "routed_domain": routed[0] if routed else None, "trained": models.trained[family],
         "block_size": draft_tokens + 1, "draft_tokens_per_round": draft_tokens,
+        # a round may verify a lookup instead of the block: n-gram, or in the drafter's corpus, up to this many tokens
+        "lookup_tokens_per_round": lookup_tokens, "lookup_rounds": stats.lookup_rounds,
+        "corpus_rounds": stats.corpus_rounds,
         "temperature": state["temperature"], "new_tokens": len(spec_ids),
         "tokens_from_drafter": origins.count("draft"), "tokens_from_target": len(origins) - origins.count("draft"),
         "rounds": stats.rounds, "proposed": list(stats.proposed), "accepted": list(stats.accepted),
@@ -416,6 +420,9 @@ def _summary_markdown(s) -> str:
         f"Drafter: {who}, block {s['block_size']} ({s['draft_tokens_per_round']} draft tokens per round), "
         f"{'trained' if s['trained'] else 'UNTRAINED (random weights)'} · temperature {s['temperature']:g}",
     ]
+    if s["lookup_rounds"]:
+        lines.append(f"Lookups: {s['lookup_rounds']} rounds verified a lookup of up to {s['lookup_tokens_per_round']} "
+                     f"tokens instead of the block ({s['corpus_rounds']} of them in the target's earlier replies)")
     if s["identical_to_plain"] is not None:
         lines.append("Identical to plain greedy output: " + ("**yes**" if s["identical_to_plain"] else "**NO**"))
     else:

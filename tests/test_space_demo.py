@@ -56,7 +56,9 @@ def test_generate_returns_the_target_greedy_text_and_consistent_stats(space, dra
     assert s["tokens_from_drafter"] == sum(s["accepted"]) == sum(t["origin"] == "draft" for t in result["tokens"])
     assert len(s["accepted"]) == len(s["proposed"]) == s["rounds"]
     assert s["mean_accepted_length"] == pytest.approx((sum(s["accepted"]) + s["rounds"]) / s["rounds"])
-    assert len(s["acceptance_by_position"]) == max(s["proposed"]) <= s["draft_tokens_per_round"]
+    assert len(s["acceptance_by_position"]) == max(s["proposed"]) <= max(s["draft_tokens_per_round"],
+                                                                          s["lookup_tokens_per_round"])
+    assert 0 <= s["corpus_rounds"] <= s["lookup_rounds"] <= s["rounds"]
     assert "".join(t["text"] for t in result["tokens"]) == result["text"]
     assert result["tokens"][0]["origin"] == "prefill"
     if drafter == "auto":

@@ -29,7 +29,7 @@ class CorpusIndex:
     """A suffix array over token sequences (`sequences`: lists or 1-D arrays of token ids, kept apart: no match or
     continuation crosses from one into the next). `max_match`: the longest context suffix looked for; `min_match`:
     the shortest that proposes anything; `full_match`: the matched length at which a match counts as full evidence
-    (see the module docstring). Building the index over the embedded target's 2.1M regenerated tokens takes about a
+    (see the module docstring). Building the index over the embedded target's 2.0M regenerated tokens takes about a
     second."""
 
     def __init__(self, sequences: Iterable[Sequence[int]], max_match: int = 32, min_match: int = 2,

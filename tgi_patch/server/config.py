@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from angelspec_hf.cpu_kernels import KERNELS
 from angelspec_hf.tgi_patch.engine.config import EngineConfig, check_fields
@@ -71,9 +70,6 @@ class ServeConfig:
         check_fields(self)
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
-        if self.lookup_corpus not in (None, "none") and not any(Path(self.lookup_corpus).glob("*.jsonl*")):
-            raise ValueError(f"lookup_corpus {self.lookup_corpus!r} holds no regenerated replies (<set>.jsonl.gz or "
-                             "<set>.jsonl, as `angelspec regenerate` writes them)")
         if self.linear_kernels not in KERNELS:
             raise ValueError(f"linear_kernels must be one of {', '.join(KERNELS)}, got {self.linear_kernels!r}")
 
