@@ -162,6 +162,8 @@ def cmd_generate(args) -> int:
     drafter = choice.drafter
     if drafter is not None and args.lookup_corpus:
         drafter.lookup_corpus = corpus
+        if corpus is not None and not getattr(drafter.config, "lookup_tokens", 0):  # asked for: lookups on
+            drafter.config.lookup_tokens = NGRAM_LOOKUP_TOKENS
     if choice.kind == "lookup":
         print(f"NOTE: {choice.note}.")
     elif choice.kind == "untrained":
@@ -415,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--lookup-corpus", default=None,
                      help="a folder of the target's regenerated replies (`angelspec regenerate`'s output) for the "
-                          "drafter to look up in beside its n-gram lookups (a drafter with `lookup_tokens` > 0); "
-                          "'none': n-gram lookups only (default: the shipped drafters' own corpus, none for others)")
+                          "drafter to look up in beside its n-gram lookups (turned on, 10 tokens, where its "
+                          "`lookup_tokens` is 0); 'none': n-gram lookups only (default: the shipped drafters' own "
+                          "corpus, none for others)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     gen.add_argument("--repeats", type=positive_int, default=3, help="runs of each; the times are their medians")
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

@@ -138,6 +138,12 @@ def test_generate_says_where_it_looks_up_and_takes_a_corpus(folders, capsys, tmp
            "(6 tokens)" in out
     out = generate(folders, capsys, "--max-new-tokens", "8", "--lookup-corpus", "none")
     assert "lookups            : up to 10 tokens, n-gram in the context\n" in out
+    off = tmp_path / "lookups-off"  # a drafter whose config has lookups off: asking for a corpus turns them on
+    tiny_drafter("dfly", tiny_chat_target()[0], draft_length="auto", lookup_tokens=0).save_pretrained(off)
+    assert main(["generate", "--target", str(folders / "target"), "--drafter", str(off), "--repeats", "1",
+                 "--threads", "1", "--linear-kernels", "stock", "--max-new-tokens", "8",
+                 "--lookup-corpus", str(replies)]) == 0
+    assert "lookups            : up to 10 tokens, n-gram in the context and in a corpus" in capsys.readouterr().out
     assert main(["generate", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
                  "--lookup-corpus", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err

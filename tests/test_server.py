@@ -482,8 +482,9 @@ def test_cli_serve_refuses_a_lookup_corpus_without_replies_before_loading_anythi
 
 
 def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):
-    """`--lookup-corpus <regenerated replies>`: the served engine looks up in it beside each request's context, and
-    /info says how many tokens it holds; 'none' leaves the context alone."""
+    """`--lookup-corpus <regenerated replies>`: the served engine looks up in it beside each request's context (for
+    a drafter whose config has lookups off, they are turned on), and the log says how many tokens it holds; 'none'
+    leaves the context alone."""
     from angelspec_hf.tgi_patch.engine import EngineConfig
     from angelspec_hf.tgi_patch.server import build_app
     from angelspec_hf.tgi_patch.server.config import ServeConfig
@@ -492,7 +493,7 @@ def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):
     target, tokenizer = tiny_chat_target()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    tiny_drafter("dfly", target, lookup_tokens=4).save_pretrained(tmp_path / "drafter")
+    tiny_drafter("dfly", target, lookup_tokens=0).save_pretrained(tmp_path / "drafter")
     (tmp_path / "replies").mkdir()
     (tmp_path / "replies" / "mine.jsonl").write_text(json.dumps({"id": "0", "response_ids": [5, 6, 7]}) + "\n")
     seen = {}
@@ -501,10 +502,11 @@ def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):
                              linear_kernels="stock", lookup_corpus=corpus, engine=EngineConfig(verify="full"))
         lines = []
         app, engine = build_app(config, log=lines.append)
-        seen[corpus] = engine.policy.corpus, "\n".join(lines)
-    corpus, log = seen[str(tmp_path / "replies")]
+        seen[corpus] = engine.policy.corpus, "\n".join(lines), engine.policy.lookup_tokens
+    corpus, log, lookup_tokens = seen[str(tmp_path / "replies")]
     assert corpus is not None and len(corpus) == 3 and "corpus of 1 earlier replies (3 tokens)" in log
-    assert seen["none"][0] is None and "corpus" not in seen["none"][1]
+    assert lookup_tokens == 10
+    assert seen["none"][0] is None and "corpus" not in seen["none"][1] and seen["none"][2] == 0
 
 
 @pytest.mark.real_model

@@ -282,14 +282,17 @@ def build_app(config: ServeConfig, log=print):
                                      if choice.kind == "untrained" else "."))
     elif choice.kind != "none":
         log(f"drafter: {choice.note}")
+    engine_config = config.engine
     if choice.drafter is not None and config.lookup_corpus is not None:
         choice.drafter.lookup_corpus = corpus
+        if corpus is not None and engine_config.lookup_tokens is None and \
+                not getattr(choice.drafter.config, "lookup_tokens", 0):  # asked for: lookups on
+            engine_config = replace(engine_config, lookup_tokens=NGRAM_LOOKUP_TOKENS)
     corpus = getattr(choice.drafter, "lookup_corpus", None)
     if corpus is not None:
         log(f"lookups: also in a corpus of {corpus.num_sequences:,} earlier replies ({len(corpus):,} tokens)")
     kernels = use_linear_kernels(config.linear_kernels, target, choice.drafter)
     log(f"linear kernels: {kernels}")
-    engine_config = config.engine
     if choice.kind == "lookup" and engine_config.lookup_tokens is None:
         engine_config = replace(engine_config, lookup_tokens=NGRAM_LOOKUP_TOKENS)
     if engine_config.verify == "auto":

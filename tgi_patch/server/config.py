@@ -36,8 +36,9 @@ class ServeConfig:
         "experiments) | none | a drafter folder/id")})
     lookup_corpus: str | None = field(default=None, metadata={"help": (
         "a folder of the target's regenerated replies (`angelspec regenerate`'s output) for the drafter's lookups "
-        "to look in beside each request's context; none: the context alone (default: the shipped drafters' own "
-        "corpus, none for other drafters)")})
+        "to look in beside each request's context (lookups turned on where neither the drafter nor "
+        "--lookup-tokens sets them); none: the context alone (default: the shipped drafters' own corpus, none for "
+        "other drafters)")})
     device: str = field(default="auto", metadata={"help": (
         "where the models run: auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:N")})
     dtype: str = field(default="auto", metadata={"help": (
