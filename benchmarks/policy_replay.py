@@ -5,12 +5,13 @@ At greedy decoding the output is the target's own, whatever the policy does, and
 every prefix of it (its context is the target's features of that prefix). `--record` runs plain greedy `generate` on
 held-out TRAIN prompts (never regenerated, never EVAL), then drafts a whole block after every generated prefix and
 looks up its n-gram continuation (and, for a drafter with a `lookup_corpus`, the corpus's continuation), keeping the
-drafter's confidence at each position and how many tokens the target would accept, and measures a cost table (`measure_costs`: target forwards over 1 .. 11 new tokens and drafts of
-1 .. K tokens, interleaved). `--replay` walks each output as the hook does (`modeling/candidate_generator.py`: a lookup
-when the policy verifies one, else a drafted round or a plain step, a shadow probe where due) under each variant:
-`default` (a real `DraftLengthPolicy` learning from the table's costs, each observation times log-normal noise),
-`corpus` (the same, with the corpus lookups beside the n-gram ones), `whole_lookups` (the same, but a lookup matched on 2+ tokens verified whole, others not at all), `full`
-(`WholeBlocks`: `draft_length="full"`), `both` (block and lookup verified in one forward) and `oracle` (each
+drafter's confidence at each position and how many tokens the target would accept, and measures a cost table
+(`measure_costs`: target forwards over 1 .. 11 new tokens and drafts of 1 .. K tokens, interleaved). `--replay` walks
+each output as the hook does (`modeling/candidate_generator.py`: a lookup when the policy verifies one, else a drafted
+round or a plain step, a shadow probe where due) under each variant: `default` (a real `DraftLengthPolicy` learning
+from the table's costs, each observation times log-normal noise), `corpus` (the same, with the corpus lookups beside
+the n-gram ones), `whole_lookups` (the same, but a lookup matched on 2+ tokens verified whole, others not at all),
+`full` (`WholeBlocks`: `draft_length="full"`), `both` (block and lookup verified in one forward) and `oracle` (each
 round's best choice, knowing what the target will accept). Each round is charged its table cost, `--overhead` per
 target forward and `--round-overhead` more per verifying round (calibrate both against a timed run of whole blocks,
 whose rounds the replay reproduces exactly: `tests/test_policy_replay.py`). Policies are so compared on the same
@@ -378,7 +379,8 @@ def main() -> None:
         print(f"{len(traces)} outputs; step ms", [round(1e3 * s, 1) for s in costs["step"]], "draft ms",
               [round(1e3 * s, 1) for s in costs["draft"]], f"overhead {1e3 * args.overhead:.1f} ms (+{1e3 * args.round_overhead:.1f} a verifying round)")
         for name in args.variants.split(","):
-            seeds = args.seeds if name in ("default", "corpus", "whole_lookups") else 1  # the others do not learn from timings
+            # the others do not learn from timings
+            seeds = args.seeds if name in ("default", "corpus", "whole_lookups") else 1
             speed = {s: [] for s in sets + ["all"]}
             counts = []
             for seed in range(seeds):

@@ -315,7 +315,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         if self.policy is None:
             tokens = tokens if n >= 2 else []
         else:
-            k = self.policy.lookup_length(confidence, len(tokens), num_tokens, repeating=self._repeating) if tokens else 0
+            k = (self.policy.lookup_length(confidence, len(tokens), num_tokens, repeating=self._repeating)
+                 if tokens else 0)
             if self.corpus is not None and not (k and self._repeating):
                 found, confidences = self.corpus.continuation(ids, limit)
                 corpus_k, corpus_rate = self.policy.lookup_plan(confidences, num_tokens, corpus=True)

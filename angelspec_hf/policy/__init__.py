@@ -36,8 +36,8 @@ from .rates import BackOff, MeasuredRates, StepKind
 from .round_costs import RoundCosts, StepCost, load_or_profile_round_costs, profile_round_costs
 
 __all__ = [
-    "AcceptanceCalibrator", "BackOff", "CorpusIndex", "CostModel", "LinearFit", "MeasuredRates", "NgramIndex", "OnlineLeastSquares",
-    "OtherLoad", "QuietWindow", "RoundCosts", "StepCost", "StepKind", "clock", "default_cache_dir", "draft_confidence",
-    "hardware_key", "load_or_profile", "load_or_profile_round_costs", "max_other_load", "packed_linear",
-    "plan_acceptance", "profile_cached", "profile_cost_model", "profile_round_costs",
+    "AcceptanceCalibrator", "BackOff", "CorpusIndex", "CostModel", "LinearFit", "MeasuredRates", "NgramIndex",
+    "OnlineLeastSquares", "OtherLoad", "QuietWindow", "RoundCosts", "StepCost", "StepKind", "clock",
+    "default_cache_dir", "draft_confidence", "hardware_key", "load_or_profile", "load_or_profile_round_costs",
+    "max_other_load", "packed_linear", "plan_acceptance", "profile_cached", "profile_cost_model", "profile_round_costs",
 ]
