@@ -409,8 +409,7 @@ def bench_main(args) -> int:
                            for f, d in drafters.items() if f != "router")
                + f"; {describe_device(target.device)}, {str(target.dtype).removeprefix('torch.')}, {args.threads} CPU "
                f"threads; linear kernels: {kernels}")
-    corpora = {label: corpus if corpus is not None else getattr(d, "lookup_corpus", None)
-               for label, d in drafters.items()}
+    corpora = None if corpus is None else dict.fromkeys(drafters, corpus)  # None: each drafter's own
     records = run_bench(target, tokenizer, drafters, methods, prompt_sets, temperatures, args.max_new_tokens,
                         corpora=corpora)
     rows = summarise(records)

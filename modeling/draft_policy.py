@@ -145,24 +145,27 @@ class DraftLengthPolicy:
         matched length / longest for every token; a corpus lookup's own per-token confidence, `corpus=True`, calibrated
         apart), and the expected tokens per second of verifying them; `k = 0` (and the rate of the best of a drafted
         round and a plain step) when no length is expected to beat those."""
-        calibrator = self.corpus_lookups if corpus else self.lookups
-        best_k, best, survival, tokens = 0, self.best_rate(draft_tokens), 1.0, 1.0
-        for k, confidence in enumerate(confidences, start=1):
-            survival *= calibrator.rate(k - 1, confidence)
-            tokens += survival
-            rate = tokens / self.step(1 + k)
+        best_k, best = 0, self.best_rate(draft_tokens)
+        for k, rate in self._lookup_rates(confidences, corpus):
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
 
     def lookup_rate(self, confidences: list[float], corpus: bool = False) -> float:
         """Expected tokens per second of verifying the whole lookup proposal `confidences` (`lookup_plan`'s)."""
+        rate = 1.0 / self.step(1)
+        for _, rate in self._lookup_rates(confidences, corpus):
+            pass
+        return rate
+
+    def _lookup_rates(self, confidences: list[float], corpus: bool):
+        """`(k, expected tokens per second)` of verifying the first k tokens of a lookup proposal, k = 1, 2, ..."""
         calibrator = self.corpus_lookups if corpus else self.lookups
         survival, tokens = 1.0, 1.0
-        for j, confidence in enumerate(confidences):
-            survival *= calibrator.rate(j, confidence)
+        for k, confidence in enumerate(confidences, start=1):
+            survival *= calibrator.rate(k - 1, confidence)
             tokens += survival
-        return tokens / self.step(1 + len(confidences))
+            yield k, tokens / self.step(1 + k)
 
     # ---- what happened -----------------------------------------------------------------------------------------------
     def observe(self, drafted: int, accepted: int, draft_seconds: float | None, step_seconds: float | None,

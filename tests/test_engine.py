@@ -927,14 +927,14 @@ def sample_repeated(engine, prompt, steps, draws, temperature=0.8):
 
 
 def assert_lookups_keep_sampling_exact(target, drafter, prompt, rows: str, setup=lambda engine: None,
-                                       steps=3, draws=4000):
+                                       steps=3, draws=4000, verify="full"):
     """`draws` rejection-sampled requests of `prompt` (temperature 0.8) through an engine with lookups (`setup` run
     on it first) fit the target's exact distribution, with more than a fifth of them verifying a lookup (the stats'
     `rows`), while the same engine verifying lookup rows against the drafter's q is rejected."""
     exact = exact_distribution(target, steps, prompt=torch.tensor([prompt]), temperature=0.8)
 
     def sample(engine_cls):
-        engine = engine_cls(target, drafter, verify="full", max_batch_size=64, cost_model=FIXED_COST, lookup_tokens=3)
+        engine = engine_cls(target, drafter, verify=verify, max_batch_size=64, cost_model=FIXED_COST, lookup_tokens=3)
         setup(engine)
         return sample_repeated(engine, prompt, steps, draws)
 
@@ -969,7 +969,8 @@ def test_corpus_lookups_keep_greedy_output(targets, family, verify):
     assert stats["corpus_rows"] > 0 and stats["accepted"] > 0
 
 
-def test_corpus_lookups_keep_sampling_exact_with_power(spread):
+@pytest.mark.parametrize("verify", ["full", "auto"])
+def test_corpus_lookups_keep_sampling_exact_with_power(spread, verify):
     """Rejection-sampled rows that take a corpus lookup (q one-hot on each proposed token) keep the target's
     distribution; verified against the drafter's q instead, they are rejected."""
     import itertools
@@ -986,7 +987,7 @@ def test_corpus_lookups_keep_sampling_exact_with_power(spread):
         engine.policy.corpus_calibrator = AcceptanceCalibrator(prior=0.99, prior_weight=1e12).to(engine.device)
         engine.policy.calibrator = AcceptanceCalibrator(prior=0.01, prior_weight=1e12).to(engine.device)
 
-    assert_lookups_keep_sampling_exact(spread, drafter, [3, 5, 4, 6, 1], "corpus_rows", corpus_first)
+    assert_lookups_keep_sampling_exact(spread, drafter, [3, 5, 4, 6, 1], "corpus_rows", corpus_first, verify=verify)
 
 
 # ---- lookup-only steps: n-gram proposals verified without running the drafter ---------------------------------------
