@@ -339,7 +339,6 @@ class DCutPolicy:
             from_corpus = (c_lengths > 0) & (c_expected > l_expected)
             l_tokens = torch.where(from_corpus[:, None], c_tokens, l_tokens)
             l_conf = torch.where(from_corpus[:, None], c_conf, l_conf)
-            valid = torch.where(from_corpus[:, None], c_valid, valid)
             lengths = torch.where(from_corpus, c_lengths, lengths)
             l_expected = torch.maximum(l_expected, c_expected)
         d_expected = torch.zeros(len(requests), device=dev)
