@@ -370,7 +370,7 @@ def bench_main(args) -> int:
         from angelspec_hf.policy import CorpusIndex
 
         try:
-            corpus = CorpusIndex.from_regenerated(args.lookup_corpus)
+            corpus = CorpusIndex.from_path(args.lookup_corpus)
         except (FileNotFoundError, ValueError, KeyError) as error:
             raise SystemExit(f"--lookup-corpus {args.lookup_corpus}: {error}") from None
     target, tokenizer = angelspec_hf.load_target(args.target, device=args.device, dtype=args.dtype)
@@ -437,8 +437,9 @@ def add_bench_parser(sub) -> None:
                        help=f"comma list of {METHODS}; also dfly_full+lookup (mtp_, dflash_): whole blocks with "
                             "lookups; mtp+corpus, dflash+corpus")
     bench.add_argument("--lookup-corpus", default=None,
-                       help="a folder of regenerated replies (`angelspec regenerate`'s output) for every drafter's "
-                            "+corpus method to look up in (default: the shipped drafters' own corpus)")
+                       help="a lookup corpus for every drafter's +corpus method to look up in: a "
+                            "lookup_corpus.safetensors, a drafter folder holding one, or a folder of regenerated "
+                            "replies (`angelspec regenerate`'s output) (default: each drafter's own, from its folder)")
     bench.add_argument("--drafters", default="",
                        help="family=folder/id pairs, e.g. dfly=runs/dfly,mtp=runs/mtp; any other label=folder adds "
                             "a method of that name (name it in --methods), e.g. dfly8k=my-dfly-8k")

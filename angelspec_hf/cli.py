@@ -146,7 +146,7 @@ def cmd_generate(args) -> int:
         from angelspec_hf.policy import CorpusIndex
 
         try:
-            corpus = CorpusIndex.from_regenerated(args.lookup_corpus)
+            corpus = CorpusIndex.from_path(args.lookup_corpus)
         except (FileNotFoundError, ValueError, KeyError) as error:
             print(f"angelspec generate: error: --lookup-corpus {args.lookup_corpus}: {error}", file=sys.stderr)
             return 2
@@ -253,9 +253,12 @@ def cmd_serve(args) -> int:
     from angelspec_hf.tgi_patch.server import build_app, serve
 
     config = args.config
-    if config.lookup_corpus not in (None, "none") and not any(Path(config.lookup_corpus).glob("*.jsonl*")):
-        print(f"angelspec serve: error: argument --lookup-corpus: {config.lookup_corpus} holds no regenerated replies "
-              "(<set>.jsonl.gz or <set>.jsonl, as `angelspec regenerate` writes them)", file=sys.stderr)
+    from angelspec_hf.policy import CorpusIndex
+
+    if config.lookup_corpus not in (None, "none") and not CorpusIndex.is_source(config.lookup_corpus):
+        print(f"angelspec serve: error: argument --lookup-corpus: {config.lookup_corpus} holds no lookup corpus "
+              "(lookup_corpus.safetensors, or regenerated replies: <set>.jsonl.gz or <set>.jsonl as `angelspec "
+              "regenerate` writes them)", file=sys.stderr)
         return 2  # said before the target loads
     app, _ = build_app(config, log=lambda text: print(text, flush=True))
     # uvicorn's own grace outlasts the streams' (`graceful_shutdown_s`), so that they end cleanly
@@ -416,10 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "weights, for experiments) | a folder/id")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--lookup-corpus", default=None,
-                     help="a folder of the target's regenerated replies (`angelspec regenerate`'s output) for the "
-                          "drafter to look up in beside its n-gram lookups (turned on, 10 tokens, where its "
-                          "`lookup_tokens` is 0); 'none': n-gram lookups only (default: the shipped drafters' own "
-                          "corpus, none for others)")
+                     help="a lookup corpus for the drafter to look up in beside its n-gram lookups (turned on, 10 "
+                          "tokens, where its `lookup_tokens` is 0): a lookup_corpus.safetensors, a drafter folder "
+                          "holding one, or a folder of the target's regenerated replies (`angelspec regenerate`'s "
+                          "output); 'none': n-gram lookups only (default: the drafter's own, from its folder)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     gen.add_argument("--repeats", type=positive_int, default=3, help="runs of each; the times are their medians")
     gen.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

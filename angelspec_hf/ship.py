@@ -1,5 +1,5 @@
 """`python -m angelspec_hf.ship RUN_DIR DEST [--full-vocab]`: a training run's final drafter → fp16 Hub layout in
-DEST (safetensors, config, modeling code with `auto_map`, the run's model card and loss curve).
+DEST (safetensors, config, modeling code with `auto_map`, the run's model card, loss curve and lookup corpus).
 `python -m angelspec_hf.ship --code FOLDER...` rewrites only the modeling code of shipped folders from the current
 `modeling/` (what `save_pretrained` would write); weights and config stay as they are.
 
@@ -33,7 +33,8 @@ def ship(run_dir, dest, full_vocab: bool = False) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
     drafter.save_pretrained(dest)
-    for name in ("README.md", "loss_curve.png", "tau_by_compute.png"):  # the run's model card and its plots
+    # the run's model card, its plots and its lookup corpus
+    for name in ("README.md", "loss_curve.png", "tau_by_compute.png", "lookup_corpus.safetensors"):
         if (Path(run_dir) / name).is_file():
             shutil.copy(Path(run_dir) / name, dest / name)
     return dest

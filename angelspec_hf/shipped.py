@@ -12,6 +12,8 @@ the functions here on first use)."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,7 @@ def checkout_drafter_path(family: str) -> Path | None:
     except WeightsStoreError as error:
         raise WeightsStoreError(f"{path} lacks its weights and they cannot be written from git: {error} (then run "
                                 f"`angelspec install-drafters --from {SHIPPED_DIR}`)") from error
+    write_shipped_corpus(path)
     return path
 
 
@@ -142,16 +145,60 @@ def drafter_for_target(name_or_path: str, target):
     return angelspec_hf.load_drafter(name_or_path, device=target.device, dtype=target.dtype)
 
 
-SHIPPED_CORPUS = CHECKOUT_DRAFTERS.parent / "data" / "regenerated" / SHIPPED_PREFIX.rstrip("-")
+SHIPPED_CORPUS = CHECKOUT_DRAFTERS.parent / "data" / "regenerated" / SHIPPED_PREFIX.rstrip("-")  # replies_beside
+
+
+def corpus_source(regenerated) -> str:
+    """What a corpus built from the regenerated replies in `regenerated` records as its source: the folder's name and
+    a sha256 over its files, so a corpus written before the replies changed is known to be stale."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(regenerated).glob("*.jsonl*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"regenerated replies {Path(regenerated).name} sha256:{digest.hexdigest()}"
+
+
+def replies_beside(drafters) -> Path:
+    """Where a checkout whose `drafters/` folder is `drafters` keeps the embedded target's regenerated replies."""
+    return Path(drafters).parent / "data" / "regenerated" / SHIPPED_PREFIX.rstrip("-")
+
+
+def write_shipped_corpus(folder, regenerated=None) -> bool:
+    """Write the lookup corpus of the replies in `regenerated` (default: the checkout's beside `folder`,
+    `replies_beside`) into the drafter folder `folder`
+    (`lookup_corpus.safetensors`, which `from_pretrained` attaches as `drafter.lookup_corpus`) unless the one there
+    was built from the same files. A checkout keeps the replies, not the corpus file (git-ignored, as the weights
+    are): `install-drafters` and `checkout_drafter_path` write it. Returns whether it was written; False also when
+    `regenerated` is absent (an installed package)."""
+    from safetensors import safe_open
+
+    from angelspec_hf.policy.corpus import LOOKUP_CORPUS_FILE, CorpusIndex
+
+    path = Path(folder) / LOOKUP_CORPUS_FILE
+    regenerated = replies_beside(Path(folder).parent) if regenerated is None else Path(regenerated)
+    if not any(regenerated.glob("*.jsonl*")):
+        return False
+    source = corpus_source(regenerated)
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                if (f.metadata() or {}).get("source") == source:
+                    return False
+        except Exception:  # unreadable: written again below  # noqa: BLE001
+            pass
+    partial = path.with_name(f".{path.name}.partial")
+    CorpusIndex.from_regenerated(regenerated).save(partial, source=source)
+    os.chmod(partial, 0o644)
+    os.replace(partial, path)
+    return True
 
 
 @functools.cache
 def shipped_lookup_corpus():
-    """The corpus the shipped drafters look up in (`drafter.lookup_corpus`, used in rounds of the `generate()` hook
-    when the drafter's `lookup_tokens` is on): the embedded target's own replies to the TRAIN prompt sets, the data
-    the drafters were trained on (a checkout's `data/regenerated/smollm2-135m-instruct/`), as a
-    `angelspec_hf.policy.CorpusIndex`, built once per process (about a second). None where that folder is absent (an
-    installed package does not carry it)."""
+    """The corpus a shipped drafter loaded from a folder without one looks up in (`drafter.lookup_corpus`, used in
+    rounds of the `generate()` hook when the drafter's `lookup_tokens` is on): the embedded target's own replies to
+    the TRAIN prompt sets, the data the drafters were trained on (a checkout's `data/regenerated/smollm2-135m-instruct/`),
+    as a `angelspec_hf.policy.CorpusIndex`, read once per process. None where that folder is absent (an installed
+    package does not carry it)."""
     if not SHIPPED_CORPUS.is_dir():
         return None
     from angelspec_hf.policy import CorpusIndex
@@ -163,7 +210,8 @@ def trained_drafter(family: str, target, dtype=None, why: list | None = None, ca
     """The shipped (trained) drafter of `family` for `target`, on the target's device, in the target's dtype unless
     `dtype` is given (from `folder` when it holds one, e.g. a Space's own copy; else by Hub id, see `find_shipped`), or
     None when none is found or the one found was not made for `target` (the shipped ones are the embedded
-    SmolLM2-135M-Instruct's). Its `lookup_corpus` is `shipped_lookup_corpus()`. One line is appended to `why` when
+    SmolLM2-135M-Instruct's). Its `lookup_corpus` is its folder's (`write_shipped_corpus`), else
+    `shipped_lookup_corpus()`. One line is appended to `why` when
     given: where the drafter came from, or why there is none."""
     reasons = []
     if folder is not None and (Path(folder) / "config.json").is_file():
@@ -176,7 +224,8 @@ def trained_drafter(family: str, target, dtype=None, why: list | None = None, ca
         try:
             drafter.check_target(target)
             if drafter.config.num_target_layers in (None, depth):
-                drafter.lookup_corpus = shipped_lookup_corpus()
+                if getattr(drafter, "lookup_corpus", None) is None:  # its folder's, else the checkout's replies
+                    drafter.lookup_corpus = shipped_lookup_corpus()
                 if why is not None:
                     why.append(f"the shipped {family} drafter {found.note}")
                 return drafter
@@ -257,6 +306,8 @@ def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> l
     installed = []
     for family in families:
         repo_id = shipped_repo_id(family)
+        # the lookup corpus of the replies beside that drafters/ folder (a checkout's), into the folder installed
+        write_shipped_corpus(source / f"{SHIPPED_PREFIX}{family}")
         snapshot, revision, changed = install_folder(source / f"{SHIPPED_PREFIX}{family}", repo_id, cache_dir)
         resolved, why = _cached_snapshot(repo_id, hub_cache_dir(cache_dir))
         if resolved != snapshot:

@@ -63,7 +63,7 @@ def main() -> None:
     generate(warm), generate(warm, drafter)  # also profiles (or loads) the round costs
     key, base = hardware_key(target, drafter), drafter.draft_policy(target)
     policies = {"afresh": copy.deepcopy(base), "carried": copy.deepcopy(base)}
-    policies["carried"].new_sequence = lambda: None  # what the hook did before it started each call afresh
+    policies["carried"].new_sequence = lambda mode=None: None  # what the hook did before it started each call afresh
     ratios = {name: [] for name in policies}
     for i, (kind, prompt) in enumerate(prompts):
         ids = chat_input_ids(tokenizer, prompt)

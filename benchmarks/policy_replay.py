@@ -160,7 +160,7 @@ class WholeBlocks:
         self.threshold, self.max_ngram = threshold, max_ngram
         self.survival, self.drafted = 1.0, 0
 
-    def new_sequence(self):
+    def new_sequence(self, mode=None):
         pass
 
     def lookup_length(self, confidence, available, draft_tokens, repeating=False):

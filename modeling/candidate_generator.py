@@ -30,6 +30,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from angelspec_hf.attention import use_gqa_sdpa
 from angelspec_hf.policy import NgramIndex, clock
 
+from .draft_policy import decoding_mode
+
 BATCHED_API = "angelspec_hf.generate_batch(target, drafter, prompts, verify=...)"
 
 
@@ -135,7 +137,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         auto = getattr(drafter.config, "draft_length", "auto") == "auto"
         self.policy = drafter.draft_policy(target) if auto else None
         if self.policy is not None:
-            self.policy.new_sequence()
+            self.policy.new_sequence(decoding_mode(generation_config))
         self.stop_threshold = 0.0 if auto else float(getattr(drafter.config, "draft_stop_threshold", 0.0) or 0.0)
         self._survival = 1.0
         self._max_tokens, self._round_probs = 0, []

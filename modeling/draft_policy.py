@@ -25,6 +25,13 @@ from angelspec_hf.policy import (AcceptanceCalibrator, BackOff, LinearFit, Measu
                                  StepKind)
 
 
+def decoding_mode(generation_config) -> str | None:
+    """The decoding mode a call's acceptance is calibrated under (`DraftLengthPolicy.new_sequence`): None for greedy
+    decoding, "sampled" otherwise. Two modes, not one per sampling configuration: the policy's state stays bounded
+    whatever values the calls bring."""
+    return "sampled" if getattr(generation_config, "do_sample", False) else None
+
+
 class DraftLengthPolicy:
     """Per-round draft length for the batch-1 hook (see the module docstring). `measure=False`: no measured-rate
     back-off (decisions then do not depend on timing); `shadow_probes=False`: probes always draft. `device`: the
@@ -40,21 +47,36 @@ class DraftLengthPolicy:
         self.draft = LinearFit(*costs.draft_coef, prior_span=max_tokens)
         self.costs = costs
         self._timed, self._window = 0, QuietWindow(device)
-        self.calibrator = AcceptanceCalibrator(num_positions=max_tokens, prior_weight=2.0, prior_scale=0.7)
-        self.lookups = AcceptanceCalibrator(prior=0.5, num_positions=max(max_tokens, 16))
-        # corpus lookups (`CorpusIndex`): per-token confidences, calibrated like a drafter's
-        self.corpus_lookups = AcceptanceCalibrator(num_positions=max(max_tokens, 16), prior_weight=2.0,
-                                                   prior_scale=0.8)
         self.max_tokens, self.probe_every = max_tokens, probe_every
+        self._calibrations: dict = {}  # decoding mode -> (drafter, n-gram lookup, corpus lookup) calibrators
+        self.mode = None
+        self.calibrator, self.lookups, self.corpus_lookups = self._calibrations_for(None)
         self.backoff = BackOff(probe_every, max_backoff)
         self.shadow_probes, self.shadow_due = shadow_probes, False  # this round's plain step carries a shadow draft
         self.measured = MeasuredRates() if measure else None
         self._round: list[float] = []
         self._survival = self._expected = 1.0
 
-    def new_sequence(self) -> None:
+    def _calibrations_for(self, mode) -> tuple[AcceptanceCalibrator, AcceptanceCalibrator, AcceptanceCalibrator]:
+        if mode not in self._calibrations:
+            n = self.max_tokens
+            self._calibrations[mode] = (
+                AcceptanceCalibrator(num_positions=n, prior_weight=2.0, prior_scale=0.7),
+                AcceptanceCalibrator(prior=0.5, num_positions=max(n, 16)),
+                # corpus lookups (`CorpusIndex`): per-token confidences, calibrated like a drafter's
+                AcceptanceCalibrator(num_positions=max(n, 16), prior_weight=2.0, prior_scale=0.8))
+        return self._calibrations[mode]
+
+    def new_sequence(self, mode=None) -> None:
         """A new `generate()` call: the back-off restarts (a pause under way ends in its probe at once) and the
-        measured rate of drafted rounds is forgotten; the costs, the calibration and the plain rate carry over."""
+        measured rate of drafted rounds is forgotten; the costs, the calibration and the plain rate carry over.
+
+        `mode`: the call's decoding mode (`decoding_mode()`: None for greedy, "sampled").
+        Acceptance is calibrated apart per mode: a greedy token is accepted when it is the target's argmax, a sampled
+        one with probability `min(1, p / q)` (a lookup's: `p`), so rates learned in greedy calls overstate sampled
+        ones, and a server or a benchmark alternating the two would otherwise draft sampled rounds too long."""
+        self.mode = mode
+        self.calibrator, self.lookups, self.corpus_lookups = self._calibrations_for(mode)
         self.backoff.restart()
         if self.measured is not None:
             self.measured.forget(StepKind.DRAFT)

@@ -45,6 +45,23 @@ class PackedPrunedLMHead(PrunedLMHead):
                                                                [], ""))
 
 
+HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def attach_lookup_corpus(drafter, name_or_path, **kwargs) -> None:
+    """Give `drafter` the lookup corpus its folder or Hub repository holds (`lookup_corpus.safetensors`, a
+    `angelspec_hf.policy.CorpusIndex`) as `drafter.lookup_corpus`, resolved as `from_pretrained` resolved the
+    weights (`kwargs`: its hub arguments); None where there is none. Its suffix array is built on the first lookup."""
+    from transformers.utils import cached_file
+
+    from angelspec_hf.policy.corpus import LOOKUP_CORPUS_FILE, CorpusIndex
+
+    path = cached_file(str(name_or_path), LOOKUP_CORPUS_FILE, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False,
+                       **{k: kwargs[k] for k in HUB_KWARGS if k in kwargs})
+    drafter.lookup_corpus = CorpusIndex.load(path) if path is not None else None
+
+
 def check_target(drafter, target) -> None:
     """Raise a `ValueError` naming both values when `drafter` cannot read/serve `target` (a model or its config)."""
     tc = (target.config if hasattr(target, "config") else target).get_text_config()

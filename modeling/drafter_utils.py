@@ -242,9 +242,17 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """The library's classes also convert foreign formats (z-lab DFlash, AngelSpec DFly), keyed on config.json."""
+        """The library's classes also convert foreign formats (z-lab DFlash, AngelSpec DFly), keyed on config.json.
+        With the library installed, the lookup corpus a folder holds (`lookup_corpus.safetensors`) is attached as
+        `lookup_corpus`."""
         if IN_LIBRARY:
             model = library("converters").load_foreign_checkpoint(cls, pretrained_model_name_or_path, **kwargs)
             if model is not None:
                 return model
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        try:  # a folder's own code too, where the library (whose generate() hook looks up in it) is installed
+            attach = library("drafter_library").attach_lookup_corpus
+        except ImportError:
+            return model
+        attach(model[0] if isinstance(model, tuple) else model, pretrained_model_name_or_path, **kwargs)
+        return model

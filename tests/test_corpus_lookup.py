@@ -8,6 +8,7 @@ import random
 import pytest
 
 from angelspec_hf.policy import CorpusIndex
+from angelspec_hf.policy.corpus import LOOKUP_CORPUS_FILE
 
 
 def reference(sequences, ids, num_tokens, max_match, min_match, full_match):
@@ -113,3 +114,64 @@ def test_from_regenerated_reads_both_file_formats(tmp_path):
 def test_bad_arguments_get_a_clear_error(sequences, kwargs, message):
     with pytest.raises(ValueError, match=message):
         CorpusIndex(sequences, **kwargs)
+
+
+@pytest.mark.parametrize("top", [49151, 70000])  # uint16 tokens where every id fits, else int32
+def test_a_saved_corpus_loads_back_equal_with_its_settings(tmp_path, top):
+    rng = random.Random(top)
+    sequences = [[rng.randrange(top + 1) for _ in range(rng.randrange(0, 40))] for _ in range(30)] + [[top], []]
+    index = CorpusIndex(sequences, max_match=12, min_match=3, full_match=5)
+    path = index.save(tmp_path, source="unit test")
+    assert path == tmp_path / LOOKUP_CORPUS_FILE
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        assert str(f.get_tensor("tokens").dtype) == ("uint16" if top < 2**16 else "int32")
+        assert f.metadata()["source"] == "unit test"
+    loaded = CorpusIndex.load(tmp_path)
+    assert [s.tolist() for s in loaded.sequences()] == sequences
+    assert (loaded.max_match, loaded.min_match, loaded.full_match) == (12, 3, 5)
+    assert CorpusIndex.load(path, min_match=1).min_match == 1  # settings given override the saved ones
+    for seq in sequences[:10]:
+        for cut in range(len(seq)):
+            assert loaded.continuation(seq[:cut + 1], 6) == index.continuation(seq[:cut + 1], 6)
+
+
+def test_from_path_reads_a_corpus_file_a_folder_holding_one_or_replies(tmp_path):
+    (tmp_path / "replies").mkdir()
+    (tmp_path / "replies" / "code.jsonl").write_text(json.dumps({"id": "a", "response_ids": [1, 2, 3]}) + "\n")
+    CorpusIndex([[4, 5, 6, 7]]).save(tmp_path)
+    assert len(CorpusIndex.from_path(tmp_path)) == 4 and len(CorpusIndex.from_path(tmp_path / LOOKUP_CORPUS_FILE)) == 4
+    assert len(CorpusIndex.from_path(tmp_path / "replies")) == 3
+    assert all(CorpusIndex.is_source(p) for p in (tmp_path, tmp_path / LOOKUP_CORPUS_FILE, tmp_path / "replies"))
+    assert not CorpusIndex.is_source(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no regenerated responses"):
+        CorpusIndex.from_path(tmp_path / "nowhere")
+
+
+def test_a_file_that_is_not_a_corpus_is_refused(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"weight": np.zeros(3, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="not a lookup corpus"):
+        CorpusIndex.load(tmp_path / "model.safetensors")
+    save_file({"tokens": np.arange(5, dtype=np.uint16), "lengths": np.array([2, 2])},
+              str(tmp_path / LOOKUP_CORPUS_FILE), metadata={"format": "angelspec-lookup-corpus/1"})
+    with pytest.raises(ValueError, match="do not add up"):
+        CorpusIndex.load(tmp_path)
+
+
+def test_a_drafter_folder_brings_its_corpus_when_loaded(tmp_path):
+    """`lookup_corpus.safetensors` in a drafter's folder becomes `drafter.lookup_corpus` however the drafter is
+    loaded (`load_drafter`, `AutoModel.from_pretrained`); a folder without one gives None."""
+    from transformers import AutoModel
+
+    import angelspec_hf
+    from helpers import tiny_drafter, tiny_target
+
+    tiny_drafter("dfly", tiny_target()).save_pretrained(tmp_path)
+    assert angelspec_hf.load_drafter(str(tmp_path)).lookup_corpus is None
+    CorpusIndex([[5, 6, 7, 8], [5, 6, 9]]).save(tmp_path)
+    for drafter in (angelspec_hf.load_drafter(str(tmp_path)), AutoModel.from_pretrained(str(tmp_path))):
+        assert drafter.lookup_corpus.num_sequences == 2 and drafter.lookup_corpus.continuation([1, 5, 6, 7], 1)[0] == [8]

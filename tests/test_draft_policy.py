@@ -266,16 +266,44 @@ def test_each_generate_call_starts_the_policy_afresh():
     starts = []
 
     class Counting(Scripted):
-        def new_sequence(self):
-            starts.append(self.round)
-            super().new_sequence()
+        def new_sequence(self, mode=None):
+            starts.append((self.round, mode))
+            super().new_sequence(mode)
 
     policy = Counting(drafter.num_draft_tokens, plain_rounds=())
     drafter.draft_policy = lambda target, cache_dir=None: policy
-    for _ in range(2):
-        target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, do_sample=False, assistant_model=drafter,
-                        eos_token_id=None, pad_token_id=0)
-    assert len(starts) == 2 and starts[1] > starts[0]  # once per call, before its rounds
+    for sampling in (dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)):
+        target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, assistant_model=drafter, eos_token_id=None,
+                        pad_token_id=0, **sampling)
+    assert len(starts) == 2 and starts[1][0] > starts[0][0]  # once per call, before its rounds
+    assert starts[0][1] is None and starts[1][1] == "sampled"  # with the call's decoding mode
+
+
+def test_greedy_and_sampled_calls_are_calibrated_apart():
+    """A greedy token is accepted when it is the target's argmax, a sampled one with probability min(1, p / q): rates
+    learned in greedy calls overstate sampled ones. Each decoding mode keeps its own calibrations (drafter, n-gram and
+    corpus lookups) across calls; what is the machine's (round costs) is shared."""
+    policy = policy_with(step=(0.05, 0.001), draft=(0.0, 0.001))
+    sampled = "sampled"
+    policy.new_sequence(None)
+    for _ in range(200):  # greedy: every drafted token accepted
+        policy.calibrator.update_round([0.5] * 4, 4)
+        policy.observe_lookup(0.5, 4, 4, None)
+        policy.observe_lookup([0.5] * 4, 4, 4, None, corpus=True)
+    greedy = policy.calibrator.rate(0, 0.5), policy.lookups.rate(0, 0.5), policy.corpus_lookups.rate(0, 0.5)
+    assert min(greedy) > 0.95
+    policy.new_sequence(sampled)  # a sampled call starts from the priors, not from the greedy calls' rates
+    assert policy.mode == sampled
+    assert policy.calibrator.rate(0, 0.5) < 0.5 and policy.lookups.rate(0, 0.5) == pytest.approx(0.5)
+    assert policy.corpus_lookups.rate(0, 0.5) < 0.5
+    for _ in range(200):  # sampled: the first token rejected every time
+        policy.calibrator.update_round([0.5] * 4, 0)
+    assert policy.calibrator.rate(0, 0.5) < 0.05 and not policy.expected_to_pay(4)
+    policy.new_sequence(None)  # back to greedy: its calibrations as they were
+    assert (policy.calibrator.rate(0, 0.5), policy.lookups.rate(0, 0.5),
+            policy.corpus_lookups.rate(0, 0.5)) == greedy and policy.expected_to_pay(4)
+    policy.new_sequence(sampled)
+    assert policy.calibrator.rate(0, 0.5) < 0.05  # the sampled mode's, kept
 
 
 def test_policy_learns_costs_from_timed_rounds():

@@ -137,6 +137,36 @@ def test_drafter_loads_by_hub_id_offline_and_equals_the_folder(checkout, cache, 
     assert all(torch.equal(by_id.state_dict()[k], v) for k, v in folder.state_dict().items())
 
 
+def test_install_gives_each_drafter_the_checkouts_lookup_corpus(checkout, cache, monkeypatch, no_network):
+    """The corpus a shipped drafter looks up in travels in its folder (`lookup_corpus.safetensors`, git-ignored in a
+    checkout): `install-drafters` builds it from the replies beside `drafters/`, again only when they change, and a
+    drafter loaded by Hub id (remote code included) has it; without replies nothing is written."""
+    from angelspec_hf.policy.corpus import LOOKUP_CORPUS_FILE
+
+    folder = checkout / f"{SHIPPED_PREFIX}dfly"
+    install_shipped(checkout, families=("dfly",))
+    assert not (folder / LOOKUP_CORPUS_FILE).exists()
+    replies = shipped.replies_beside(checkout)
+    replies.mkdir(parents=True)
+    rows = [[5, 6, 7, 8], [5, 6, 9]]
+    (replies / "code.jsonl").write_text("".join(json.dumps({"id": str(i), "response_ids": r}) + "\n"
+                                                for i, r in enumerate(rows)))
+    [(_, snapshot, revision, changed)] = install_shipped(checkout, families=("dfly",))
+    assert changed and (snapshot / LOOKUP_CORPUS_FILE).read_bytes() == (folder / LOOKUP_CORPUS_FILE).read_bytes()
+    written = (folder / LOOKUP_CORPUS_FILE).stat().st_mtime_ns
+    assert install_shipped(checkout, families=("dfly",))[0][2:] == (revision, False)  # same replies: as it was
+    assert (folder / LOOKUP_CORPUS_FILE).stat().st_mtime_ns == written
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    for drafter in (AutoModel.from_pretrained(REPO, trust_remote_code=True), AutoModel.from_pretrained(REPO)):
+        assert [s.tolist() for s in drafter.lookup_corpus.sequences()] == rows
+    with (replies / "code.jsonl").open("a") as f:  # new replies: a new corpus, a new revision
+        f.write(json.dumps({"id": "2", "response_ids": [1, 2]}) + "\n")
+    [(_, _, new_revision, changed)] = install_shipped(checkout, families=("dfly",))
+    assert changed and new_revision != revision
+    assert len(AutoModel.from_pretrained(REPO).lookup_corpus.sequences()) == 3
+
+
 def test_resolution_prefers_the_cache_and_says_which(checkout, cache, target, no_network):
     # no cache yet: the checkout's folder, and the note says how to install it
     found = find_shipped("dfly")

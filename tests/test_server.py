@@ -478,7 +478,7 @@ def test_cli_serve_refuses_a_lookup_corpus_without_replies_before_loading_anythi
 
     assert main(["serve", "--lookup-corpus", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
-    assert "--lookup-corpus" in err and "holds no regenerated replies" in err and "loading target" not in out, err
+    assert "--lookup-corpus" in err and "holds no lookup corpus" in err and "loading target" not in out, err
 
 
 def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):

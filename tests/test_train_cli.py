@@ -15,6 +15,7 @@ import torch
 import angelspec_hf
 from angelspec_hf.trainer.data import load_train_prompts
 from angelspec_hf.trainer.regenerate import regenerate
+from angelspec_hf.trainer.regenerated_files import read_records
 from angelspec_hf.trainer.run import main as train_main
 from angelspec_hf.trainer.run import parse_config_overrides
 from angelspec_hf.trainer.schedule import schedule_factor
@@ -119,7 +120,7 @@ def test_output_is_what_a_push_uploads(tiny, tmp_path):
                         "--eval_max_new_tokens", "8", "--loss_kind", "ce+kl"))
     files = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "README.md", "modeling_dfly.py", "configuration_dfly.py",
-            "loss_curve.png"} <= files
+            "loss_curve.png", "lookup_corpus.safetensors"} <= files
     assert "(loss_curve.png)" in (out / "README.md").read_text() and "loss: ce+kl" in (out / "README.md").read_text()
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: ") and "openai/gsm8k" in card
@@ -128,6 +129,9 @@ def test_output_is_what_a_push_uploads(tiny, tmp_path):
     assert config["auto_map"]["AutoModel"] == "modeling_dfly.DFlyDrafter" and config["block_size"] == 4
     drafter = angelspec_hf.load_drafter(out)
     assert type(drafter).__name__ == "DFlyDrafter" and not drafter.ar_head.down_proj.weight.eq(0).all()
+    # its lookup corpus: the replies of the sets it trained on, attached as it loads
+    replies = [r["response_ids"] for r in read_records(tiny / "data" / "gsm8k.jsonl.gz")]
+    assert [s.tolist() for s in drafter.lookup_corpus.sequences()] == replies
     # ...and, once pushed, it resolves by Hub id from the local cache with the Hub unreachable
     snapshot = tmp_path / "hub" / "models--me--tiny-dfly" / "snapshots" / ("b" * 40)
     snapshot.mkdir(parents=True)
@@ -144,6 +148,7 @@ def test_output_is_what_a_push_uploads(tiny, tmp_path):
         patch.setattr(socket, "create_connection", refuse)
         by_id = angelspec_hf.load_drafter("me/tiny-dfly", cache_dir=str(tmp_path / "hub"), local_files_only=True)
     assert all(torch.equal(a, b) for a, b in zip(by_id.state_dict().values(), drafter.state_dict().values()))
+    assert [s.tolist() for s in by_id.lookup_corpus.sequences()] == replies
 
 
 def test_yaml_recipe(tiny, tmp_path):

@@ -77,6 +77,11 @@ class DrafterTrainingArguments(TrainingArguments):
         metadata={"help": "Folder of `<set>.jsonl.gz` (or plain `<set>.jsonl`) target-regenerated responses "
                           "(`angelspec regenerate`)."},
     )
+    lookup_corpus: bool = field(
+        default=True, metadata={"help": "Write lookup_corpus.safetensors beside the drafter: the regenerated responses "
+                                        "of train_sets, which the generate() hook and the batched engine look up "
+                                        "in (corpus lookups) once the drafter is loaded; pushed with it."}
+    )
     max_seq_length: int = field(default=768, metadata={"help": "Training sequences are cut to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training samples."})
     eval_prompts: int = field(

@@ -21,6 +21,7 @@ from transformers import HfArgumentParser, TrainerCallback, set_seed
 from transformers.hf_argparser import string_to_bool
 
 from angelspec_hf.devices import DeviceError, resolve_device, resolve_dtype
+from angelspec_hf.policy.corpus import CorpusIndex
 
 from .arguments import DrafterTrainingArguments
 
@@ -215,6 +216,10 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
     trainer.save_model(args.output_dir)  # every process calls it (sharded setups need that); rank 0 writes
     trainer.save_state()
     if trainer.is_world_process_zero():
+        if args.lookup_corpus:  # the drafter's corpus lookups: the replies it was trained on, pushed with it
+            CorpusIndex.from_regenerated(args.regenerated_dir, args.train_sets).save(
+                args.output_dir, source=f"regenerated replies {Path(args.regenerated_dir).name}: "
+                                        f"{', '.join(args.train_sets)}")
         trainer.create_model_card()
     return trainer
 

@@ -15,6 +15,11 @@ Each proposed token carries a confidence: the share of the occurrences on the pa
 depth (a short match is weak evidence however unanimous its occurrences). The policies calibrate that confidence
 against verification outcomes as they calibrate a drafter's (`AcceptanceCalibrator`). The proposal is a
 deterministic function of the context, so verifying it is exact at any temperature, as a context lookup is.
+
+A corpus travels with its drafter: `save` writes `lookup_corpus.safetensors` (`LOOKUP_CORPUS_FILE`: the token ids and
+each sequence's length, no code, no pickle) into a drafter's Hub folder, and `angelspec_hf.load_drafter` /
+`from_pretrained` attach the one a folder or Hub repository holds as `drafter.lookup_corpus`. The suffix array is not
+stored: it is built on the first lookup (about a second for the embedded target's 2.0M tokens).
 """
 
 from __future__ import annotations
@@ -24,21 +29,22 @@ from pathlib import Path
 
 import numpy as np
 
+LOOKUP_CORPUS_FILE = "lookup_corpus.safetensors"  # a drafter folder's corpus (`CorpusIndex.save` / `load`)
+_FORMAT = "angelspec-lookup-corpus/1"
+
 
 class CorpusIndex:
     """A suffix array over token sequences (`sequences`: lists or 1-D arrays of token ids, kept apart: no match or
     continuation crosses from one into the next). `max_match`: the longest context suffix looked for; `min_match`:
     the shortest that proposes anything; `full_match`: the matched length at which a match counts as full evidence
-    (see the module docstring). Building the index over the embedded target's 2.0M regenerated tokens takes about a
-    second."""
+    (see the module docstring). The suffix array is built on the first lookup: about a second over the embedded
+    target's 2.0M regenerated tokens."""
 
     def __init__(self, sequences: Iterable[Sequence[int]], max_match: int = 32, min_match: int = 2,
                  full_match: int = 8):
         if not 1 <= min_match <= max_match or full_match < 1:
             raise ValueError(f"need 1 <= min_match <= max_match and full_match >= 1, got min_match={min_match}, "
                              f"max_match={max_match}, full_match={full_match}")
-        from pydivsufsort import divsufsort
-
         parts, count = [], 0
         for seq in sequences:
             ids = np.asarray(seq, dtype=np.int64).reshape(-1)
@@ -53,9 +59,83 @@ class CorpusIndex:
         if text.max() >= 2**31 - 1:
             raise ValueError("token ids must be < 2**31 - 1")
         self.text = text.astype(np.int32)
-        self.suffixes = divsufsort(self.text)
+        self._suffixes = None  # built on the first lookup (`suffixes`)
         self.num_sequences = count
         self.max_match, self.min_match, self.full_match = max_match, min_match, full_match
+
+    @property
+    def suffixes(self) -> np.ndarray:
+        """The suffix array of `text` (`pydivsufsort`), built on first use."""
+        if self._suffixes is None:
+            from pydivsufsort import divsufsort
+
+            self._suffixes = divsufsort(self.text)
+        return self._suffixes
+
+    # ---- files -------------------------------------------------------------------------------------------------------
+    def sequences(self) -> list[np.ndarray]:
+        """The token sequences indexed, as given."""
+        ends = np.flatnonzero(self.text == 0)
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        return [self.text[a:b].astype(np.int64) - 1 for a, b in zip(starts, ends)]
+
+    def save(self, path, source: str | None = None) -> Path:
+        """Write the corpus to `path` (a file, or a folder to hold `LOOKUP_CORPUS_FILE`) as safetensors: `tokens`
+        (uint16 where every id fits, else int32) and `lengths` (int64, one per sequence), with the lookup settings
+        and `source` (where the sequences came from) in its metadata."""
+        from safetensors.numpy import save_file
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / LOOKUP_CORPUS_FILE
+        shifted = self.text[self.text > 0]
+        tokens = (shifted - 1).astype(np.uint16 if shifted.max(initial=1) <= 2**16 else np.int32)
+        ends = np.flatnonzero(self.text == 0)
+        lengths = np.diff(np.concatenate([[-1], ends])) - 1
+        metadata = {"format": _FORMAT, "max_match": str(self.max_match), "min_match": str(self.min_match),
+                    "full_match": str(self.full_match), "sequences": str(self.num_sequences), "tokens": str(len(self))}
+        if source:
+            metadata["source"] = source
+        save_file({"tokens": tokens, "lengths": lengths.astype(np.int64)}, str(path), metadata=metadata)
+        return path
+
+    @classmethod
+    def load(cls, path, **kwargs) -> CorpusIndex:
+        """A corpus `save` wrote (`path`: the file, or a folder holding `LOOKUP_CORPUS_FILE`), with its saved lookup
+        settings unless `kwargs` override them. Raises `ValueError` for a file that is not one."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / LOOKUP_CORPUS_FILE
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != _FORMAT or set(f.keys()) != {"tokens", "lengths"}:
+                raise ValueError(f"{path} is not a lookup corpus (format {metadata.get('format')!r}, expected "
+                                 f"{_FORMAT!r} with tensors tokens and lengths)")
+            tokens, lengths = f.get_tensor("tokens").astype(np.int64), f.get_tensor("lengths")
+        if lengths.min(initial=0) < 0 or int(lengths.sum()) != len(tokens):
+            raise ValueError(f"{path}: its sequence lengths do not add up to its {len(tokens)} tokens")
+        settings = {k: int(metadata[k]) for k in ("max_match", "min_match", "full_match") if k in metadata}
+        return cls(np.split(tokens, np.cumsum(lengths)[:-1]), **{**settings, **kwargs})
+
+    @classmethod
+    def from_path(cls, path, **kwargs) -> CorpusIndex:
+        """A corpus from `path`: a saved corpus file, a folder holding one (a drafter's), or a folder of
+        regenerated replies (`from_regenerated`). Raises `FileNotFoundError` when it is none of these."""
+        path = Path(path)
+        if path.is_file() or (path / LOOKUP_CORPUS_FILE).is_file():
+            return cls.load(path, **kwargs)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no lookup corpus ({LOOKUP_CORPUS_FILE}) and no regenerated responses at {path}: "
+                                    "it does not exist")
+        return cls.from_regenerated(path, **kwargs)
+
+    @staticmethod
+    def is_source(path) -> bool:
+        """Does `path` hold a corpus `from_path` reads (checked without reading it)?"""
+        path = Path(path)
+        return path.is_file() or (path / LOOKUP_CORPUS_FILE).is_file() or any(path.glob("*.jsonl*"))
 
     @classmethod
     def from_regenerated(cls, folder, sets: Sequence[str] | None = None, **kwargs) -> CorpusIndex:

@@ -270,7 +270,7 @@ def build_app(config: ServeConfig, log=print):
     if config.lookup_corpus not in (None, "none"):  # read first: a wrong folder is said before the target loads
         from angelspec_hf.policy import CorpusIndex
 
-        corpus = CorpusIndex.from_regenerated(config.lookup_corpus)
+        corpus = CorpusIndex.from_path(config.lookup_corpus)
     model_id = config.target or DEFAULT_TARGET
     device = resolve_device(config.device)  # a device this machine lacks: `DeviceError` before anything loads
     dtype = resolve_dtype(config.dtype, device)

@@ -35,10 +35,10 @@ class ServeConfig:
         "mtp | dflash | dfly (the shipped one; n-gram lookup where none fits the target) | untrained[:FAMILY] (for "
         "experiments) | none | a drafter folder/id")})
     lookup_corpus: str | None = field(default=None, metadata={"help": (
-        "a folder of the target's regenerated replies (`angelspec regenerate`'s output) for the drafter's lookups "
-        "to look in beside each request's context (lookups turned on where neither the drafter nor "
-        "--lookup-tokens sets them); none: the context alone (default: the shipped drafters' own corpus, none for "
-        "other drafters)")})
+        "a lookup corpus for the drafter's lookups to look in beside each request's context (lookups turned on "
+        "where neither the drafter nor --lookup-tokens sets them): a lookup_corpus.safetensors, a drafter folder "
+        "holding one, or a folder of the target's regenerated replies (`angelspec regenerate`'s output); none: "
+        "the context alone (default: the drafter's own, from its folder)")})
     device: str = field(default="auto", metadata={"help": (
         "where the models run: auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:N")})
     dtype: str = field(default="auto", metadata={"help": (
