@@ -85,8 +85,9 @@ def closed_loop(engine: SpeculativeEngine, prompts: list[list[int]], concurrency
 def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], concurrencies, requests_per_client=2,
                           max_new_tokens=64, fixed_depths=(1, 3, 7), fixed_for=("dfly",),
                           cost_model_cache=None, repeats: int = 1) -> list[dict]:
-    """drafters: {name: drafter}. Every drafter runs with D-Cut (and, when its config proposes n-gram lookups, with
-    D-Cut and no lookups: `<name>-dcut-nolookup`); those in `fixed_for` also at each fixed depth. Each concurrency
+    """drafters: {name: drafter}. Every drafter runs with D-Cut (and, when its config proposes lookups, with D-Cut
+    and no lookups: `<name>-dcut-nolookup`, and when it has a `lookup_corpus`, with n-gram lookups alone:
+    `<name>-dcut-ngram`); those in `fixed_for` also at each fixed depth. Each concurrency
     runs every method `repeats` times, interleaved. Returns one record per (concurrency, method)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -98,7 +99,12 @@ def run_concurrency_bench(target, drafters: dict, prompts: list[list[int]], conc
             label = f"{name}-dcut" if mode == "auto" else f"{name}-{mode}"
             engines[label] = SpeculativeEngine(target, drafter, verify=mode, max_batch_size=max_batch,
                                                cost_model_cache=cost_model_cache)
-        if getattr(drafter.config, "lookup_tokens", 0):  # its n-gram lookups on (as configured) and off
+        if getattr(drafter.config, "lookup_tokens", 0):  # its lookups on (as configured) and off
+            if getattr(drafter, "lookup_corpus", None) is not None:  # and its n-gram lookups without the corpus
+                engine = SpeculativeEngine(target, drafter, verify="auto", max_batch_size=max_batch,
+                                           cost_model_cache=cost_model_cache)
+                engine.policy.corpus = None
+                engines[f"{name}-dcut-ngram"] = engine
             engines[f"{name}-dcut-nolookup"] = SpeculativeEngine(target, drafter, verify="auto", lookup_tokens=0,
                                                                  max_batch_size=max_batch,
                                                                  cost_model_cache=cost_model_cache)

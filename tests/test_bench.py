@@ -74,13 +74,18 @@ def test_concurrency_bench_reports_every_method_and_checks_identity(tmp_path):
     from angelspec_hf.policy import CostModel
     from helpers import tiny_drafter, tiny_target
 
+    from angelspec_hf.policy import CorpusIndex
+
     target = tiny_target()
-    drafters = {"dfly": tiny_drafter("dfly", target), "mtp": tiny_drafter("mtp", target)}
+    drafters = {"dfly": tiny_drafter("dfly", target, lookup_tokens=4), "mtp": tiny_drafter("mtp", target)}
+    drafters["dfly"].lookup_corpus = CorpusIndex([[5, 6, 7, 8, 9, 10], [9, 9, 9, 4]])
     prompts = [[5, 6, 7], [9] * 12, [4, 3, 8, 8]]
     cache = tmp_path / "cost"
     records = run_concurrency_bench(target, drafters, prompts, [1, 3], requests_per_client=2, max_new_tokens=6,
                                     fixed_depths=(1, 3), cost_model_cache=cache, repeats=2)
-    methods = ["plain", "dfly-depth:1", "dfly-depth:3", "dfly-dcut", "mtp-dcut"]
+    # D-Cut with the drafter's lookups (n-gram and corpus), with n-gram lookups alone, and without lookups
+    methods = ["plain", "dfly-depth:1", "dfly-depth:3", "dfly-dcut", "dfly-dcut-ngram", "dfly-dcut-nolookup",
+               "mtp-dcut"]
     assert [r["method"] for r in records] == methods * 2
     assert all(r["identical"] and r["tokens"] == r["requests"] * 6 and r["repeats"] == 2 for r in records)
     assert all(r["speedup"] == r["speedup_min"] == r["speedup_max"] == 1.0 for r in records if r["method"] == "plain")

@@ -175,3 +175,34 @@ def test_a_drafter_folder_brings_its_corpus_when_loaded(tmp_path):
     CorpusIndex([[5, 6, 7, 8], [5, 6, 9]]).save(tmp_path)
     for drafter in (angelspec_hf.load_drafter(str(tmp_path)), AutoModel.from_pretrained(str(tmp_path))):
         assert drafter.lookup_corpus.num_sequences == 2 and drafter.lookup_corpus.continuation([1, 5, 6, 7], 1)[0] == [8]
+
+
+def test_a_growing_corpus_proposes_what_was_added_within_its_window():
+    """`GrowingCorpus`: a sequence added is looked up from then on; the window keeps the last `window_tokens` tokens
+    (whole sequences, the oldest dropped first); the longer match of base and window wins, the window's on a tie."""
+    from angelspec_hf.policy import GrowingCorpus
+
+    base = CorpusIndex([[1, 2, 3, 4, 5], [7, 8, 9, 10]], min_match=2)
+    grow = GrowingCorpus(base, window_tokens=12)
+    assert (grow.max_match, grow.min_match, grow.full_match) == (base.max_match, 2, base.full_match)
+    assert grow.continuation([0, 2, 3], 2) == base.continuation([0, 2, 3], 2) and grow.recent is None
+    grow.add([20, 21, 22, 23, 24])
+    assert grow.continuation([9, 20, 21], 3)[0] == [22, 23, 24] and len(grow) == len(base) + 5
+    assert grow.num_sequences == 3
+    grow.add([2, 3, 40, 41])  # matches [2, 3] as long as the base does: the window's proposal
+    assert grow.continuation([0, 2, 3], 2)[0] == [40, 41]
+    assert grow.continuation([1, 2, 3], 2)[0] == [4, 5]  # the base matches [1, 2, 3]: longer
+    grow.add([30, 31, 32, 33, 34])  # 14 tokens > 12: the oldest sequence goes
+    assert grow.continuation([9, 20, 21], 3) == ([], []) and grow._recent_tokens == 9
+    grow.add([5, 6])  # too short to propose anything after a match: not kept
+    grow.add(list(range(100, 130)))  # longer than the window: its last 12 tokens
+    assert grow._recent_tokens == 12 and grow.continuation([118, 119], 2)[0] == [120, 121]
+    assert grow.continuation([100, 101], 2) == ([], [])
+    alone = GrowingCorpus(None, window_tokens=8)
+    assert alone.continuation([1, 2], 3) == ([], []) and len(alone) == 0
+    alone.add([1, 2, 3, 4])
+    assert alone.continuation([1, 2], 3)[0] == [3, 4]
+    with pytest.raises(ValueError, match="window_tokens"):
+        GrowingCorpus(base, window_tokens=0)
+    with pytest.raises(ValueError, match=">= 0"):
+        alone.add([1, -2, 3])

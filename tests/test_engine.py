@@ -970,6 +970,35 @@ def test_corpus_lookups_keep_greedy_output(targets, family, verify):
 
 
 @pytest.mark.parametrize("verify", ["full", "auto"])
+def test_a_corpus_growing_with_the_replies_served_keeps_greedy_output(targets, verify):
+    """`corpus_window_tokens`: each finished request's prompt tail and reply join the lookup corpus
+    (`GrowingCorpus`, no corpus of the drafter's own here), so the same prompts sent again take corpus lookups of
+    their earlier replies and have more accepted, every output still plain greedy decoding's."""
+    from angelspec_hf.policy import GrowingCorpus
+
+    target, twin = targets
+    prompts = [[9, 14, 23], [31, 8, 17, 4], [50, 61], [70, 3, 88, 12]]
+    replies = [plain_greedy(twin, p, 20) for p in prompts]
+    engine = SpeculativeEngine(target, tiny_drafter("dfly", target), verify=verify, max_batch_size=4,
+                               cost_model=MARGINAL_COST, lookup_tokens=4, corpus_window_tokens=64)
+    assert isinstance(engine.policy.corpus, GrowingCorpus) and engine.policy.corpus.base is None
+    passes = []
+    for _ in range(2):
+        before = dict(engine.stats)
+        outputs, ids = {}, [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
+        while engine.has_work():
+            for event in engine.step():
+                outputs.setdefault(event.request_id, []).extend(event.token_ids)
+        assert [outputs[rid] for rid in ids] == replies
+        passes.append({k: engine.stats[k] - before.get(k, 0) for k in ("corpus_rows", "accepted")})
+    assert engine.policy.corpus.added == 8 and len(engine.policy.corpus) <= 64
+    assert passes[1]["corpus_rows"] > 0 and passes[1]["accepted"] > passes[0]["accepted"]
+    off = SpeculativeEngine(target, tiny_drafter("dfly", target), verify=verify, lookup_tokens=0,
+                            corpus_window_tokens=64)
+    assert off.policy.corpus is None  # lookups off: no corpus to grow
+
+
+@pytest.mark.parametrize("verify", ["full", "auto"])
 def test_corpus_lookups_keep_sampling_exact_with_power(spread, verify):
     """Rejection-sampled rows that take a corpus lookup (q one-hot on each proposed token) keep the target's
     distribution; verified against the drafter's q instead, they are rejected."""

@@ -507,6 +507,16 @@ def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):
     assert corpus is not None and len(corpus) == 3 and "corpus of 1 earlier replies (3 tokens)" in log
     assert lookup_tokens == 10
     assert seen["none"][0] is None and "corpus" not in seen["none"][1] and seen["none"][2] == 0
+    # --corpus-window-tokens: the corpus also grows with the replies served
+    from angelspec_hf.policy import GrowingCorpus
+
+    config = ServeConfig(target=str(tmp_path / "target"), drafter=str(tmp_path / "drafter"), threads=1,
+                         linear_kernels="stock", lookup_corpus=str(tmp_path / "replies"),
+                         engine=EngineConfig(verify="full", corpus_window_tokens=64))
+    lines = []
+    _, engine = build_app(config, log=lines.append)
+    assert isinstance(engine.policy.corpus, GrowingCorpus) and len(engine.policy.corpus.base) == 3
+    assert "also in the replies served, their last 64 tokens" in "\n".join(lines)
 
 
 @pytest.mark.real_model

@@ -30,13 +30,14 @@ from .costs import (
     packed_linear,
     profile_cached,
 )
-from .corpus import CorpusIndex
+from .corpus import CorpusIndex, GrowingCorpus
 from .lookup import NgramIndex
 from .rates import BackOff, MeasuredRates, StepKind
 from .round_costs import RoundCosts, StepCost, load_or_profile_round_costs, profile_round_costs
 
 __all__ = [
-    "AcceptanceCalibrator", "BackOff", "CorpusIndex", "CostModel", "LinearFit", "MeasuredRates", "NgramIndex",
+    "AcceptanceCalibrator", "BackOff", "CorpusIndex", "CostModel", "GrowingCorpus", "LinearFit", "MeasuredRates",
+    "NgramIndex",
     "OnlineLeastSquares", "OtherLoad", "QuietWindow", "RoundCosts", "StepCost", "StepKind", "clock",
     "default_cache_dir", "draft_confidence", "hardware_key", "load_or_profile", "load_or_profile_round_costs",
     "max_other_load", "packed_linear", "plan_acceptance", "profile_cached", "profile_cost_model", "profile_round_costs",

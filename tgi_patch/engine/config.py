@@ -66,6 +66,11 @@ class EngineConfig:
     lookup_tokens: int | None = field(default=None, metadata={"min": 0, "help": (
         "draft tokens an n-gram lookup of a request's own context may propose in place of the drafter's block; "
         "0: no lookups (default: the drafter config's lookup_tokens)")})
+    corpus_window_tokens: int = field(default=0, metadata={"min": 0, "help": (
+        "with lookups on: grow the lookup corpus with the replies served, each finished request's prompt tail and "
+        "reply, the last this many tokens of them looked up beside the drafter's corpus (SuffixDecoding-style; "
+        "0: off). A request's speed then depends on what earlier requests generated: leave it off where clients "
+        "must not learn about each other's traffic")})
     probe_every: int = field(default=8, metadata={"min": 1, "help": (
         "auto: steps a back-off to plain decoding lasts before drafting is tried again (doubling while it keeps "
         "losing, up to 8x)")})

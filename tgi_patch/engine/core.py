@@ -29,14 +29,15 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from angelspec_hf.modeling.candidate_generator import mean_accepted_length
-from angelspec_hf.policy import CostModel, StepKind, clock, draft_confidence, load_or_profile, plan_acceptance
+from angelspec_hf.policy import (CostModel, GrowingCorpus, StepKind, clock, draft_confidence, load_or_profile,
+                                 plan_acceptance)
 from angelspec_hf.prompts import chat_ids
 
 from . import verification
 from .config import EngineConfig
 from .dcut import DCutPolicy, LookupChoice, parse_verify
 from .model_runner import ModelRunner, PackedForward
-from .request import Request, SamplingParams, StepTrace, TokenEvent, int64_seed
+from .request import FINISH_ERROR, Request, SamplingParams, StepTrace, TokenEvent, int64_seed
 from .sampling import PenaltyState
 from .scheduler import ScheduledBatch, Scheduler
 from .transfer import upload
@@ -138,6 +139,8 @@ class SpeculativeEngine:
         self.policy.lookup_calibrator.to(self.device)
         # lookups in the drafter's corpus of the target's earlier outputs, beside the n-gram ones
         self.policy.corpus = getattr(drafter, "lookup_corpus", None) if lookup_tokens else None
+        if lookup_tokens and config.corpus_window_tokens:  # and in the replies it serves (`GrowingCorpus`)
+            self.policy.corpus = GrowingCorpus(self.policy.corpus, config.corpus_window_tokens)
         self.policy.corpus_calibrator.to(self.device)
         self.scheduler = Scheduler(max_batch_size, config.max_prefill_tokens, release=self._release)
         self.last_step: StepTrace | None = None
@@ -406,6 +409,10 @@ class SpeculativeEngine:
         if host.get("top") is not None:
             top = verification.top_lists(*host["top"], batch.requests)
         events = self.scheduler.update(batch.requests, host["emitted"], host["num_accepted"], host["logprobs"], top)
+        if isinstance(self.policy.corpus, GrowingCorpus):  # finished replies: looked up from the next step on
+            for request, event in zip(batch.requests, events):
+                if event.finished and event.finish_reason != FINISH_ERROR and request.generated:
+                    self.policy.corpus.add(request.prompt[-self.policy.corpus.max_match:] + request.generated)
         return events, host
 
     def _read(self, proposal: Proposal, verified: verification.Verified, trace: StepTrace) -> dict:

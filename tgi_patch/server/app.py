@@ -298,6 +298,8 @@ def build_app(config: ServeConfig, log=print):
     if engine_config.verify == "auto":
         log("cost model: the cached profile for this machine, or ~20 s of profiling ...")
     engine = SpeculativeEngine(target, choice.drafter, engine_config)
+    if engine.config.corpus_window_tokens and engine.policy.corpus is not None:
+        log(f"lookups: also in the replies served, their last {engine.config.corpus_window_tokens:,} tokens")
     max_total = min(config.max_total_tokens, engine.max_total_tokens)
     limits = replace(config, max_total_tokens=max_total, engine=engine.config,
                      max_input_tokens=min(config.max_input_tokens, max_total - 1, engine.max_prefill_tokens))
