@@ -112,7 +112,10 @@ def checkout_drafter_path(family: str) -> Path | None:
     except WeightsStoreError as error:
         raise WeightsStoreError(f"{path} lacks its weights and they cannot be written from git: {error} (then run "
                                 f"`angelspec install-drafters --from {SHIPPED_DIR}`)") from error
-    write_shipped_corpus(path)
+    try:
+        write_shipped_corpus(path)
+    except OSError:  # a read-only checkout: `trained_drafter` reads the replies instead (`shipped_lookup_corpus`)
+        pass
     return path
 
 

@@ -167,6 +167,16 @@ def test_install_gives_each_drafter_the_checkouts_lookup_corpus(checkout, cache,
     assert len(AutoModel.from_pretrained(REPO).lookup_corpus.sequences()) == 3
 
 
+def test_a_checkout_that_cannot_be_written_still_gives_its_drafter(checkout, monkeypatch):
+    """Writing the lookup corpus into a checkout's folder is a convenience: where it fails (a read-only checkout), the
+    folder is still the drafter's."""
+    def refuse(folder, regenerated=None):
+        raise PermissionError(f"read-only: {folder}")
+
+    monkeypatch.setattr(shipped, "write_shipped_corpus", refuse)
+    assert shipped.checkout_drafter_path("dfly") == checkout / f"{SHIPPED_PREFIX}dfly"
+
+
 def test_resolution_prefers_the_cache_and_says_which(checkout, cache, target, no_network):
     # no cache yet: the checkout's folder, and the note says how to install it
     found = find_shipped("dfly")
