@@ -36,9 +36,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _flag_type(kind, low=None):
-    """argparse type: a value of `kind` (int, float or str), at least `low` when given (so a bad value is refused
-    before any model loads, naming its flag)."""
+def _flag_type(kind, low=None, high=None):
+    """argparse type: a value of `kind` (int, float or str), at least `low` and at most `high` when given (so a bad
+    value is refused before any model loads, naming its flag)."""
     if kind is str:
         return str
 
@@ -50,6 +50,8 @@ def _flag_type(kind, low=None):
                                              f"got {text!r}") from None
         if low is not None and value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
 
     convert.__name__ = kind.__name__
@@ -66,7 +68,7 @@ def _config_fields(cls):
 def add_config_arguments(parser, cls, title: str | None = None) -> None:
     """One flag per field of the dataclass `cls` (`EngineConfig`, `ServeConfig`): `--field-name` (and the aliases in
     `metadata["flags"]`), its help `metadata["help"]` with the default, its type the annotation's (a bool is
-    `--x/--no-x`; `int | None` takes an int and defaults to None; `metadata["min"]` and `["choices"]` are checked as
+    `--x/--no-x`; `int | None` takes an int and defaults to None; `metadata["min"]`, `["max"]` and `["choices"]` are checked as
     the value is parsed). A field that is itself a dataclass adds its own fields, in a group of their own;
     `config_from_args` builds the config back."""
     group = parser.add_argument_group(title) if title else parser
@@ -86,7 +88,7 @@ def add_config_arguments(parser, cls, title: str | None = None) -> None:
             continue
         kind = next((k for k in (str, float, int) if k in kinds), str)
         group.add_argument(*flags, dest=f.name, default=default, help=text, choices=f.metadata.get("choices"),
-                           type=_flag_type(kind, f.metadata.get("min")),
+                           type=_flag_type(kind, f.metadata.get("min"), f.metadata.get("max")),
                            metavar=f.metadata.get("metavar", "N" if kind is not str else None))
     for f, sub in nested:
         add_config_arguments(parser, sub, f"{f.name} settings ({sub.__name__}): {f.metadata.get('help', '')}")

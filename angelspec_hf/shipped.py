@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,10 +190,17 @@ def write_shipped_corpus(folder, regenerated=None) -> bool:
                     return False
         except Exception:  # unreadable: written again below  # noqa: BLE001
             pass
-    partial = path.with_name(f".{path.name}.partial")
-    CorpusIndex.from_regenerated(regenerated).save(partial, source=source)
-    os.chmod(partial, 0o644)
-    os.replace(partial, path)
+    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
+    try:  # a name of its own: processes building it at once (`pytest -n`) each rename a whole file into place
+        CorpusIndex.from_regenerated(regenerated).save(partial, source=source)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
     return True
 
 
@@ -310,7 +319,10 @@ def install_shipped(source=None, cache_dir=None, families=SHIPPED_FAMILIES) -> l
     for family in families:
         repo_id = shipped_repo_id(family)
         # the lookup corpus of the replies beside that drafters/ folder (a checkout's), into the folder installed
-        write_shipped_corpus(source / f"{SHIPPED_PREFIX}{family}")
+        try:
+            write_shipped_corpus(source / f"{SHIPPED_PREFIX}{family}")
+        except OSError as error:  # a read-only checkout: installed without it (read from the replies instead)
+            warnings.warn(f"the {family} drafter is installed without its lookup corpus: {error}", stacklevel=2)
         snapshot, revision, changed = install_folder(source / f"{SHIPPED_PREFIX}{family}", repo_id, cache_dir)
         resolved, why = _cached_snapshot(repo_id, hub_cache_dir(cache_dir))
         if resolved != snapshot:

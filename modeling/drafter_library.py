@@ -51,15 +51,28 @@ HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "lo
 def attach_lookup_corpus(drafter, name_or_path, **kwargs) -> None:
     """Give `drafter` the lookup corpus its folder or Hub repository holds (`lookup_corpus.safetensors`, a
     `angelspec_hf.policy.CorpusIndex`) as `drafter.lookup_corpus`, resolved as `from_pretrained` resolved the
-    weights (`kwargs`: its hub arguments); None where there is none. Its suffix array is built on the first lookup."""
+    weights (`kwargs`: its hub arguments; the weights' commit unless a revision is given); None where there is none.
+    A corpus that cannot be read is a warning, not an error: the drafter works without it. Its suffix array is built
+    on the first lookup."""
+    import warnings
+
     from transformers.utils import cached_file
 
     from angelspec_hf.policy.corpus import LOOKUP_CORPUS_FILE, CorpusIndex
 
-    path = cached_file(str(name_or_path), LOOKUP_CORPUS_FILE, _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False,
-                       **{k: kwargs[k] for k in HUB_KWARGS if k in kwargs})
-    drafter.lookup_corpus = CorpusIndex.load(path) if path is not None else None
+    hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    commit = getattr(drafter.config, "_commit_hash", None)
+    if commit and not hub.get("revision"):  # the corpus of the commit the weights came from
+        hub["revision"] = commit
+    drafter.lookup_corpus = None
+    try:
+        path = cached_file(str(name_or_path), LOOKUP_CORPUS_FILE, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub)
+        if path is not None:
+            drafter.lookup_corpus = CorpusIndex.load(path)
+    except Exception as error:  # noqa: BLE001 - optional: the drafter is whole without it
+        warnings.warn(f"{name_or_path}: its {LOOKUP_CORPUS_FILE} could not be read ({type(error).__name__}: "
+                      f"{error}); the drafter loads without corpus lookups", stacklevel=2)
 
 
 def check_target(drafter, target) -> None:

@@ -183,7 +183,7 @@ def test_a_growing_corpus_proposes_what_was_added_within_its_window():
     from angelspec_hf.policy import GrowingCorpus
 
     base = CorpusIndex([[1, 2, 3, 4, 5], [7, 8, 9, 10]], min_match=2)
-    grow = GrowingCorpus(base, window_tokens=12)
+    grow = GrowingCorpus(base, window_tokens=12, rebuild_share=None)  # re-indexed at the first lookup after an add
     assert (grow.max_match, grow.min_match, grow.full_match) == (base.max_match, 2, base.full_match)
     assert grow.continuation([0, 2, 3], 2) == base.continuation([0, 2, 3], 2) and grow.recent is None
     grow.add([20, 21, 22, 23, 24])
@@ -198,11 +198,49 @@ def test_a_growing_corpus_proposes_what_was_added_within_its_window():
     grow.add(list(range(100, 130)))  # longer than the window: its last 12 tokens
     assert grow._recent_tokens == 12 and grow.continuation([118, 119], 2)[0] == [120, 121]
     assert grow.continuation([100, 101], 2) == ([], [])
-    alone = GrowingCorpus(None, window_tokens=8)
+    alone = GrowingCorpus(None, window_tokens=8, rebuild_share=None)
     assert alone.continuation([1, 2], 3) == ([], []) and len(alone) == 0
     alone.add([1, 2, 3, 4])
     assert alone.continuation([1, 2], 3)[0] == [3, 4]
-    with pytest.raises(ValueError, match="window_tokens"):
-        GrowingCorpus(base, window_tokens=0)
+    for window in (0, GrowingCorpus.MAX_WINDOW_TOKENS + 1):
+        with pytest.raises(ValueError, match="window_tokens"):
+            GrowingCorpus(base, window_tokens=window)
     with pytest.raises(ValueError, match=">= 0"):
         alone.add([1, -2, 3])
+
+
+def test_a_growing_corpus_rebuilds_at_most_its_share_of_the_time(monkeypatch):
+    """With `rebuild_share`, additions wait for the next rebuild until the time since the last one is the last
+    rebuild's duration over the share; lookups meanwhile read the index as last built."""
+    from angelspec_hf.policy import GrowingCorpus
+    from angelspec_hf.policy import corpus as corpus_module
+
+    now = [100.0]
+    monkeypatch.setattr(corpus_module.time, "perf_counter", lambda: now[0])
+    grow = GrowingCorpus(None, window_tokens=64, rebuild_share=0.1)
+    grow.add([1, 2, 3, 4])
+    assert grow.continuation([1, 2], 2)[0] == [3, 4]  # the first index is built at once
+    grow._build_seconds = 0.5  # as if that build took 0.5 s: the next may come 5 s after it
+    grow.add([7, 8, 9])
+    now[0] += 4.0
+    assert grow.continuation([7, 8], 1) == ([], [])  # not yet re-indexed
+    now[0] += 1.0
+    assert grow.continuation([7, 8], 1)[0] == [9]
+
+
+def test_a_file_that_is_not_safetensors_is_refused_with_a_clear_error(tmp_path):
+    (tmp_path / "code.jsonl.gz").write_bytes(b"not a corpus")
+    assert not CorpusIndex.is_source(tmp_path / "code.jsonl.gz") and CorpusIndex.is_source(tmp_path)
+    with pytest.raises(ValueError, match="not a lookup corpus"):
+        CorpusIndex.from_path(tmp_path / "code.jsonl.gz")
+
+
+def test_a_drafter_with_an_unreadable_corpus_still_loads(tmp_path):
+    import angelspec_hf
+    from helpers import tiny_drafter, tiny_target
+
+    tiny_drafter("dfly", tiny_target()).save_pretrained(tmp_path)
+    (tmp_path / LOOKUP_CORPUS_FILE).write_bytes(b"truncated")
+    with pytest.warns(UserWarning, match="without corpus lookups"):
+        drafter = angelspec_hf.load_drafter(str(tmp_path))
+    assert drafter.lookup_corpus is None and type(drafter).__name__ == "DFlyDrafter"

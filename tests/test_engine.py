@@ -993,6 +993,14 @@ def test_a_corpus_growing_with_the_replies_served_keeps_greedy_output(targets, v
         passes.append({k: engine.stats[k] - before.get(k, 0) for k in ("corpus_rows", "accepted")})
     assert engine.policy.corpus.added == 8 and len(engine.policy.corpus) <= 64
     assert passes[1]["corpus_rows"] > 0 and passes[1]["accepted"] > passes[0]["accepted"]
+    # a rejection-sampled reply is not added (its random numbers are keyed by a seed drawn from `random`, which a
+    # caller reseeding it hands on); a seeded one, whose tokens its seed fixes whatever is proposed, is
+    for params in (SamplingParams(max_new_tokens=6, do_sample=True), SamplingParams(max_new_tokens=6, do_sample=True,
+                                                                                    seed=3)):
+        engine.add_request(prompts[0], params)
+        while engine.has_work():
+            engine.step()
+    assert engine.policy.corpus.added == 9
     off = SpeculativeEngine(target, tiny_drafter("dfly", target), verify=verify, lookup_tokens=0,
                             corpus_window_tokens=64)
     assert off.policy.corpus is None  # lookups off: no corpus to grow

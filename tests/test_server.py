@@ -481,6 +481,16 @@ def test_cli_serve_refuses_a_lookup_corpus_without_replies_before_loading_anythi
     assert "--lookup-corpus" in err and "holds no lookup corpus" in err and "loading target" not in out, err
 
 
+def test_cli_serve_refuses_a_corpus_window_past_its_bound_before_loading_anything(capsys):
+    from angelspec_hf.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--corpus-window-tokens", str((1 << 20) + 1)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert "--corpus-window-tokens" in err and "at most 1048576" in err and "loading target" not in out, err
+
+
 def test_serve_gives_the_drafter_its_lookup_corpus(tmp_path):
     """`--lookup-corpus <regenerated replies>`: the served engine looks up in it beside each request's context (for
     a drafter whose config has lookups off, they are turned on), and the log says how many tokens it holds; 'none'

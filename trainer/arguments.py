@@ -79,8 +79,10 @@ class DrafterTrainingArguments(TrainingArguments):
     )
     lookup_corpus: bool = field(
         default=True, metadata={"help": "Write lookup_corpus.safetensors beside the drafter: the regenerated responses "
-                                        "of train_sets, which the generate() hook and the batched engine look up "
-                                        "in (corpus lookups) once the drafter is loaded; pushed with it."}
+                                        "of train_sets as token ids, which the generate() hook and the batched "
+                                        "engine look up in (corpus lookups) once the drafter is loaded; pushed with "
+                                        "it, so anyone who can read the drafter can decode them: turn it off for "
+                                        "replies that must stay private."}
     )
     max_seq_length: int = field(default=768, metadata={"help": "Training sequences are cut to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training samples."})

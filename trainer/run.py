@@ -213,13 +213,15 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
         "last logged loss": f"{losses[-1]:.4f}" if losses else "n/a",
         "wall time (s)": f"{time.time() - start:.0f}", "processes": trainer.accelerator.num_processes,
     }
+    if args.lookup_corpus and trainer.is_world_process_zero():
+        # the drafter's corpus lookups: the replies it was trained on, written before `save_model`, which pushes
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        CorpusIndex.from_regenerated(args.regenerated_dir, args.train_sets).save(
+            args.output_dir, source=f"regenerated replies {Path(args.regenerated_dir).name}: "
+                                    f"{', '.join(args.train_sets)}")
     trainer.save_model(args.output_dir)  # every process calls it (sharded setups need that); rank 0 writes
     trainer.save_state()
     if trainer.is_world_process_zero():
-        if args.lookup_corpus:  # the drafter's corpus lookups: the replies it was trained on, pushed with it
-            CorpusIndex.from_regenerated(args.regenerated_dir, args.train_sets).save(
-                args.output_dir, source=f"regenerated replies {Path(args.regenerated_dir).name}: "
-                                        f"{', '.join(args.train_sets)}")
         trainer.create_model_card()
     return trainer
 

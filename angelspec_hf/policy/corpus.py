@@ -24,6 +24,7 @@ stored: it is built on the first lookup (about a second for the embedded target'
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -73,6 +74,10 @@ class CorpusIndex:
             self._suffixes = divsufsort(self.text)
         return self._suffixes
 
+    def warm(self) -> None:
+        """Build the suffix array now (a server does, before its first step looks anything up)."""
+        self.suffixes  # noqa: B018
+
     # ---- files -------------------------------------------------------------------------------------------------------
     def sequences(self) -> list[np.ndarray]:
         """The token sequences indexed, as given."""
@@ -109,12 +114,19 @@ class CorpusIndex:
         path = Path(path)
         if path.is_dir():
             path = path / LOOKUP_CORPUS_FILE
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != _FORMAT or set(f.keys()) != {"tokens", "lengths"}:
-                raise ValueError(f"{path} is not a lookup corpus (format {metadata.get('format')!r}, expected "
-                                 f"{_FORMAT!r} with tensors tokens and lengths)")
-            tokens, lengths = f.get_tensor("tokens").astype(np.int64), f.get_tensor("lengths")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                metadata = f.metadata() or {}
+                keys = set(f.keys())
+                if metadata.get("format") == _FORMAT and keys == {"tokens", "lengths"}:
+                    tokens, lengths = f.get_tensor("tokens").astype(np.int64), f.get_tensor("lengths")
+        except FileNotFoundError:
+            raise
+        except Exception as error:  # noqa: BLE001 - safetensors' own error for a file that is not one
+            raise ValueError(f"{path} is not a lookup corpus: not a safetensors file ({error})") from None
+        if metadata.get("format") != _FORMAT or keys != {"tokens", "lengths"}:
+            raise ValueError(f"{path} is not a lookup corpus (format {metadata.get('format')!r}, expected "
+                             f"{_FORMAT!r} with tensors tokens and lengths)")
         if lengths.min(initial=0) < 0 or int(lengths.sum()) != len(tokens):
             raise ValueError(f"{path}: its sequence lengths do not add up to its {len(tokens)} tokens")
         settings = {k: int(metadata[k]) for k in ("max_match", "min_match", "full_match") if k in metadata}
@@ -136,7 +148,9 @@ class CorpusIndex:
     def is_source(path) -> bool:
         """Does `path` hold a corpus `from_path` reads (checked without reading it)?"""
         path = Path(path)
-        return path.is_file() or (path / LOOKUP_CORPUS_FILE).is_file() or any(path.glob("*.jsonl*"))
+        if path.is_file():
+            return path.suffix == ".safetensors"
+        return (path / LOOKUP_CORPUS_FILE).is_file() or any(path.glob("*.jsonl*"))
 
     @classmethod
     def from_regenerated(cls, folder, sets: Sequence[str] | None = None, **kwargs) -> CorpusIndex:
@@ -232,19 +246,27 @@ class CorpusIndex:
 
 class GrowingCorpus:
     """A lookup corpus that grows with the replies served: `base` (a `CorpusIndex`, or None) beside a window of the
-    sequences added since (`add`: a finished request's prompt tail and reply), at most `window_tokens` tokens, the
-    oldest dropped first, indexed apart (a `CorpusIndex` rebuilt at the first lookup after an addition: about 5 ms
-    for 32k tokens). A lookup takes the proposal of the longer context match, the window's on a tie (the more
-    recent). What SuffixDecoding does with previous outputs, with a bounded memory.
+    sequences added since (`add`: a finished request's prompt tail and reply), at most `window_tokens` tokens (up to
+    `MAX_WINDOW_TOKENS`), the oldest dropped first, indexed apart: a `CorpusIndex` rebuilt at a lookup after an
+    addition (about 5 ms for 32k tokens), at most so often that rebuilding takes `rebuild_share` of the time (None:
+    at every lookup after an addition); in between, lookups read the index as last built. A lookup takes the proposal
+    of the longer context match, the window's on a tie (the more recent). What SuffixDecoding does with previous
+    outputs, with a bounded memory.
 
     The proposals stay deterministic functions of the context and of replies already finished, so verifying them
     keeps greedy output identical and sampling exact. They also make one request's speed depend on what earlier
     requests generated: in a server shared by clients who must not learn about each other's traffic, leave it off."""
 
+    MAX_WINDOW_TOKENS = 1 << 20
+
     def __init__(self, base: CorpusIndex | None, window_tokens: int, max_match: int | None = None,
-                 min_match: int | None = None, full_match: int | None = None):
-        if window_tokens < 1:
-            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+                 min_match: int | None = None, full_match: int | None = None, rebuild_share: float | None = 0.1):
+        if not 1 <= window_tokens <= self.MAX_WINDOW_TOKENS:
+            raise ValueError(f"window_tokens must be in [1, {self.MAX_WINDOW_TOKENS}], got {window_tokens}")
+        if rebuild_share is not None and not 0 < rebuild_share <= 1:
+            raise ValueError(f"rebuild_share must be in (0, 1] or None, got {rebuild_share}")
+        self.rebuild_share = rebuild_share
+        self._dirty, self._built_at, self._build_seconds = False, 0.0, 0.0
         self.base, self.window_tokens = base, window_tokens
         defaults = (32, 2, 8) if base is None else (base.max_match, base.min_match, base.full_match)
         given = (max_match, min_match, full_match)
@@ -267,7 +289,7 @@ class GrowingCorpus:
         self._recent_tokens += ids.size
         while self._recent_tokens > self.window_tokens:
             self._recent_tokens -= self._recent.popleft().size
-        self._index = None
+        self._dirty = True
         self.added += 1
 
     @property
@@ -284,11 +306,23 @@ class GrowingCorpus:
 
     @property
     def recent(self) -> CorpusIndex | None:
-        """The window's index (None while it is empty)."""
-        if self._index is None and self._recent:
+        """The window's index (None while nothing was added), rebuilt after additions (see the class docstring)."""
+        now = time.perf_counter()
+        due = self._index is None or self.rebuild_share is None or \
+            now - self._built_at >= self._build_seconds / self.rebuild_share
+        if self._dirty and due and self._recent:
             self._index = CorpusIndex(self._recent, max_match=self.max_match, min_match=self.min_match,
                                       full_match=self.full_match)
+            self._index.warm()
+            self._built_at = time.perf_counter()
+            self._build_seconds, self._dirty = self._built_at - now, False
         return self._index
+
+    def warm(self) -> None:
+        """Build the base's suffix array and the window's index now."""
+        if self.base is not None:
+            self.base.warm()
+        self.recent  # noqa: B018
 
     def lookup(self, ids, num_tokens: int) -> tuple[int, list[int], list[float]]:
         found = [index.lookup(ids, num_tokens) for index in (self.recent, self.base) if index is not None]

@@ -251,8 +251,9 @@ class DrafterPreTrainedModel(Qwen3PreTrainedModel):
                 return model
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         try:  # a folder's own code too, where the library (whose generate() hook looks up in it) is installed
-            attach = library("drafter_library").attach_lookup_corpus
+            attach = getattr(library("drafter_library"), "attach_lookup_corpus", None)  # (None: an older library)
         except ImportError:
-            return model
-        attach(model[0] if isinstance(model, tuple) else model, pretrained_model_name_or_path, **kwargs)
+            attach = None
+        if attach is not None:
+            attach(model[0] if isinstance(model, tuple) else model, pretrained_model_name_or_path, **kwargs)
         return model

@@ -22,7 +22,8 @@ from .dcut import parse_verify  # the one parser of verification modes
 
 def check_fields(config) -> None:
     """Raises `ValueError` naming the first field of the dataclass `config` whose value is not of its annotated type
-    (an `int` field refuses a bool or a float; a `float` field takes an int) or is below its `metadata["min"]`.
+    (an `int` field refuses a bool or a float; a `float` field takes an int) or is outside its `metadata["min"]` and
+    `metadata["max"]`.
     None passes where the annotation allows it (it means the default)."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
@@ -32,9 +33,11 @@ def check_fields(config) -> None:
         if not any(_is_a(value, kind) for kind in allowed):
             names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in allowed)
             raise ValueError(f"{f.name} must be {names}, got {value!r}")
-        low = f.metadata.get("min")
+        low, high = f.metadata.get("min"), f.metadata.get("max")
         if low is not None and value < low:
             raise ValueError(f"{f.name} must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise ValueError(f"{f.name} must be at most {high}, got {value}")
 
 
 def _is_a(value, kind) -> bool:
@@ -66,11 +69,11 @@ class EngineConfig:
     lookup_tokens: int | None = field(default=None, metadata={"min": 0, "help": (
         "draft tokens an n-gram lookup of a request's own context may propose in place of the drafter's block; "
         "0: no lookups (default: the drafter config's lookup_tokens)")})
-    corpus_window_tokens: int = field(default=0, metadata={"min": 0, "help": (
+    corpus_window_tokens: int = field(default=0, metadata={"min": 0, "max": 1 << 20, "help": (
         "with lookups on: grow the lookup corpus with the replies served, each finished request's prompt tail and "
         "reply, the last this many tokens of them looked up beside the drafter's corpus (SuffixDecoding-style; "
-        "0: off). A request's speed then depends on what earlier requests generated: leave it off where clients "
-        "must not learn about each other's traffic")})
+        "0: off; at most 1,048,576). A request's speed then depends on what earlier requests generated: leave it "
+        "off where clients must not learn about each other's traffic")})
     probe_every: int = field(default=8, metadata={"min": 1, "help": (
         "auto: steps a back-off to plain decoding lasts before drafting is tried again (doubling while it keeps "
         "losing, up to 8x)")})

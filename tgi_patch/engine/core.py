@@ -139,6 +139,8 @@ class SpeculativeEngine:
         self.policy.lookup_calibrator.to(self.device)
         # lookups in the drafter's corpus of the target's earlier outputs, beside the n-gram ones
         self.policy.corpus = getattr(drafter, "lookup_corpus", None) if lookup_tokens else None
+        if self.policy.corpus is not None:  # its suffix array built now, not inside the first step that looks up
+            self.policy.corpus.warm()
         if lookup_tokens and config.corpus_window_tokens:  # and in the replies it serves (`GrowingCorpus`)
             self.policy.corpus = GrowingCorpus(self.policy.corpus, config.corpus_window_tokens)
         self.policy.corpus_calibrator.to(self.device)
@@ -411,7 +413,10 @@ class SpeculativeEngine:
         events = self.scheduler.update(batch.requests, host["emitted"], host["num_accepted"], host["logprobs"], top)
         if isinstance(self.policy.corpus, GrowingCorpus):  # finished replies: looked up from the next step on
             for request, event in zip(batch.requests, events):
-                if event.finished and event.finish_reason != FINISH_ERROR and request.generated:
+                # not a rejection-sampled reply: its random numbers are keyed by a seed drawn from `random`, which a
+                # caller who reseeds it hands to a later request too, whose draft would then depend on its own draws
+                unseeded = request.params.do_sample and not request.coupled
+                if event.finished and event.finish_reason != FINISH_ERROR and request.generated and not unseeded:
                     self.policy.corpus.add(request.prompt[-self.policy.corpus.max_match:] + request.generated)
         return events, host
 
