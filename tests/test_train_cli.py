@@ -125,6 +125,7 @@ def test_output_is_what_a_push_uploads(tiny, tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: ") and "openai/gsm8k" in card
     assert "| humaneval |" in card and "| gsm8k |" in card and "block size 4" in card
+    assert "## Lookup corpus" in card and "16 of the target's own replies" in card
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_dfly.DFlyDrafter" and config["block_size"] == 4
     drafter = angelspec_hf.load_drafter(out)

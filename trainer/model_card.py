@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from angelspec_hf.policy.corpus import LOOKUP_CORPUS_FILE, CorpusIndex
+
 from .compute_curve import card_section
 
 _DATASET_IDS = {  # TRAIN sets → their public sources (for the card's `datasets:` metadata)
@@ -59,10 +61,24 @@ def plot_loss_curve(log_history: list[dict], path) -> Path | None:
     return Path(path)
 
 
+def corpus_section(num_sequences: int, num_tokens: int) -> str:
+    """The card's section on the folder's `lookup_corpus.safetensors`."""
+    return f"""## Lookup corpus
+
+`lookup_corpus.safetensors` holds {num_sequences:,} of the target's own replies ({num_tokens:,} tokens) to the
+training prompts, as token ids. Loaded with the drafter (as `drafter.lookup_corpus`), it lets angelspec-hf's
+generate() hook and batched engine verify, in place of a drafted block, what followed the context in those replies
+(corpus lookups): proposals checked by the target like any draft, so the output is unchanged. Set
+`drafter.lookup_corpus = None` to draft without it.
+"""
+
+
 def model_card(drafter, base_model: str, train_sets, acceptance: dict, training: dict | None = None,
-               loss_curve: str | None = None, compute_curve: str | None = None) -> str:
+               loss_curve: str | None = None, compute_curve: str | None = None,
+               corpus: tuple[int, int] | None = None) -> str:
     """Markdown with a Hub YAML header; `acceptance` as `acceptance_rows` takes it; `loss_curve` a PNG beside it;
-    `compute_curve` the held-out τ against training blocks section (`compute_curve.card_section`)."""
+    `compute_curve` the held-out τ against training blocks section (`compute_curve.card_section`); `corpus`:
+    `(sequences, tokens)` of a lookup corpus beside it (`corpus_section`)."""
     c = drafter.config
     family = type(drafter).__name__
     block = getattr(c, "block_size", None)
@@ -101,6 +117,8 @@ token was accepted, with `generate(assistant_model=...)`, whole blocks drafted:
 
 {trained}
 """
+    if corpus is not None:
+        body += "\n" + corpus_section(*corpus)
     return "\n".join(header) + body
 
 
@@ -112,6 +130,9 @@ def write_model_card(folder, *args, log_history=None, blocks_before: int = 0, **
         kwargs["loss_curve"] = "loss_curve.png"
     if log_history and (section := card_section(log_history, folder, blocks_before)):
         kwargs["compute_curve"] = section
+    if (Path(folder) / LOOKUP_CORPUS_FILE).is_file() and "corpus" not in kwargs:
+        corpus = CorpusIndex.load(folder)
+        kwargs["corpus"] = (corpus.num_sequences, len(corpus))
     path = Path(folder) / "README.md"
     path.write_text(model_card(*args, **kwargs), encoding="utf-8")
     return path

@@ -19,7 +19,8 @@ deterministic function of the context, so verifying it is exact at any temperatu
 A corpus travels with its drafter: `save` writes `lookup_corpus.safetensors` (`LOOKUP_CORPUS_FILE`: the token ids and
 each sequence's length, no code, no pickle) into a drafter's Hub folder, and `angelspec_hf.load_drafter` /
 `from_pretrained` attach the one a folder or Hub repository holds as `drafter.lookup_corpus`. The suffix array is not
-stored: it is built on the first lookup (about a second for the embedded target's 2.0M tokens).
+stored: it is built on the first lookup or by `warm()` (about a second for the embedded target's 2.0M tokens).
+`GrowingCorpus` adds a window of the replies a server has served since.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ class GrowingCorpus:
         self.max_match, self.min_match, self.full_match = (d if g is None else g for g, d in zip(given, defaults))
         self._recent: deque[np.ndarray] = deque()
         self._recent_tokens = 0
-        self._index: CorpusIndex | None = None  # of `_recent`, None until needed again after an addition
+        self._index: CorpusIndex | None = None  # of `_recent` as last built (`recent`), None before the first
         self.added = 0  # sequences added in all
 
     def add(self, ids) -> None:
@@ -325,6 +326,7 @@ class GrowingCorpus:
         self.recent  # noqa: B018
 
     def lookup(self, ids, num_tokens: int) -> tuple[int, list[int], list[float]]:
+        """`CorpusIndex.lookup` of the window and of the base, whichever matched the longer context suffix."""
         found = [index.lookup(ids, num_tokens) for index in (self.recent, self.base) if index is not None]
         return max(found, key=lambda f: f[0], default=(0, [], []))  # the first (the window's) on a tie
 

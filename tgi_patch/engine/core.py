@@ -139,7 +139,7 @@ class SpeculativeEngine:
         self.policy.lookup_calibrator.to(self.device)
         # lookups in the drafter's corpus of the target's earlier outputs, beside the n-gram ones
         self.policy.corpus = getattr(drafter, "lookup_corpus", None) if lookup_tokens else None
-        if self.policy.corpus is not None:  # its suffix array built now, not inside the first step that looks up
+        if hasattr(self.policy.corpus, "warm"):  # its suffix array built now, not inside the first step that looks up
             self.policy.corpus.warm()
         if lookup_tokens and config.corpus_window_tokens:  # and in the replies it serves (`GrowingCorpus`)
             self.policy.corpus = GrowingCorpus(self.policy.corpus, config.corpus_window_tokens)
