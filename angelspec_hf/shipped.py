@@ -150,9 +150,6 @@ def drafter_for_target(name_or_path: str, target):
     return angelspec_hf.load_drafter(name_or_path, device=target.device, dtype=target.dtype)
 
 
-SHIPPED_CORPUS = CHECKOUT_DRAFTERS.parent / "data" / "regenerated" / SHIPPED_PREFIX.rstrip("-")  # replies_beside
-
-
 def corpus_source(regenerated) -> str:
     """What a corpus built from the regenerated replies in `regenerated` records as its source: the folder's name and
     a sha256 over its files, so a corpus written before the replies changed is known to be stale."""
@@ -165,6 +162,9 @@ def corpus_source(regenerated) -> str:
 def replies_beside(drafters) -> Path:
     """Where a checkout whose `drafters/` folder is `drafters` keeps the embedded target's regenerated replies."""
     return Path(drafters).parent / "data" / "regenerated" / SHIPPED_PREFIX.rstrip("-")
+
+
+SHIPPED_CORPUS = replies_beside(CHECKOUT_DRAFTERS)  # this checkout's
 
 
 def write_shipped_corpus(folder, regenerated=None) -> bool:
