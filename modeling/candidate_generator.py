@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -127,6 +128,13 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         # a corpus of the target's earlier outputs to look up in (`angelspec_hf.policy.CorpusIndex`), with lookups on
         self.corpus = getattr(drafter, "lookup_corpus", None) if self.lookup_tokens else None
         self._repeating = False  # the round before verified a lookup and accepted all of it
+        # a corpus that grows with the replies served (`angelspec_hf.policy.GrowingCorpus`): a greedy call's prompt
+        # tail and reply join it when the call ends (this generator is released); sampled replies never do, since
+        # their draws come from torch's random stream, which a caller who reseeds it hands to the next call too
+        self._reply = None
+        if callable(getattr(self.corpus, "add", None)) and not generation_config.do_sample:
+            self._reply = [input_ids]  # the sequence as last verified (`update_candidate_strategy`)
+            weakref.finalize(self, _add_reply, self.corpus, self._reply, input_ids.shape[1]).atexit = False
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
@@ -352,11 +360,21 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
                 round_seconds = None if self._last_round_end is None else now - self._last_round_end
                 self.policy.observe(self._round["drafted"], int(num_matches), self._round["draft_seconds"],
                                     now - returned_at, round_seconds)
+        if self._reply is not None:
+            self._reply[0] = input_ids
         self._repeating = (self._round["lookup"] is not None and not self._round["corpus"]
                            and int(num_matches) >= self._round["drafted"])
         self._round["returned_at"], self._last_round_end = None, now
         if len(self.stats.accepted) < len(self.stats.proposed):
             self.stats.accepted.append(int(num_matches))
+
+
+def _add_reply(corpus, reply: list, prompt_length: int) -> None:
+    """A finished greedy call's reply (`reply[0]`: the sequence as last verified, `[1, length]`) joins a growing
+    corpus, after the last `corpus.max_match` tokens of its prompt (what a later context must match to propose it)."""
+    ids = reply[0][0]
+    if ids.shape[0] > prompt_length:
+        corpus.add(ids[max(0, prompt_length - corpus.max_match):].cpu())
 
 
 def _is_angelspec_drafter(model) -> bool:

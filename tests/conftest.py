@@ -1,5 +1,6 @@
 """Fixtures shared by the tests (the helpers they use are in `helpers.py` and `stats.py`)."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -11,7 +12,10 @@ if shutil.which("nvidia-smi") is None:
 
 # Cost models profiled by the tests (two workers loading the machine at once) stay out of the user's cache, where a
 # later benchmark or server would read a profile timed under that load.
-os.environ.setdefault("ANGELSPEC_COST_MODELS", tempfile.mkdtemp(prefix="angelspec-test-cost-models-"))
+# The process that makes the folder (the controller; test workers inherit it) removes it when it exits.
+if not os.environ.get("ANGELSPEC_COST_MODELS"):
+    os.environ["ANGELSPEC_COST_MODELS"] = tempfile.mkdtemp(prefix="angelspec-test-cost-models-")
+    atexit.register(shutil.rmtree, os.environ["ANGELSPEC_COST_MODELS"], ignore_errors=True)
 # That folder is the tests' own, so its profiles are cached whatever the load (the rule that a profile measured on a
 # busy machine is not cached has its own tests in test_draft_policy.py).
 os.environ.setdefault("ANGELSPEC_PROFILE_MAX_OTHER_LOAD", "inf")

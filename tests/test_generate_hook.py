@@ -186,6 +186,37 @@ def test_corpus_lookup_rounds_are_lossless(target, family):
     assert drafter.last_speculation_stats.corpus_rounds == 0
 
 
+def test_growing_corpus_learns_greedy_replies(target, family):
+    """`drafter.lookup_corpus = GrowingCorpus(...)`: each greedy call's prompt tail and reply join the window when the
+    call returns, so the same prompts sent again are proposed their earlier replies (corpus rounds, more tokens
+    accepted per round); every output stays plain greedy decoding's, and a sampled call adds nothing."""
+    from angelspec_hf.policy import GrowingCorpus
+
+    drafter = tiny_drafter(family, target, draft_length="auto", lookup_tokens=6)
+    costs = RoundCosts((0.02, 0.001), (0.0, 0.001))  # fixed costs (verifying is cheap), not this machine's timing
+    drafter._draft_policies = {hardware_key(target, drafter): DraftLengthPolicy(costs, drafter.num_draft_tokens,
+                                                                                measure=False)}
+    drafter.lookup_corpus = corpus = GrowingCorpus(None, 4096)
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, 99, (1, 6), generator=gen) for _ in range(4)]
+    replies = [_greedy(target, ids, max_new_tokens=32)[0, ids.shape[1]:] for ids in prompts]
+    rounds, taus = [], []
+    for sent in range(2):
+        for i, (ids, reply) in enumerate(zip(prompts, replies)):
+            out = _greedy(target, ids, max_new_tokens=32, assistant_model=drafter)
+            assert torch.equal(out[0, ids.shape[1]:], reply), f"{family} with a growing corpus diverged"
+            assert corpus.added == sent * len(prompts) + i + 1  # added as the call returned
+            stats = drafter.last_speculation_stats
+            rounds.append(stats.corpus_rounds)
+            taus.append(stats.mean_accepted_length)
+    first, again = slice(0, len(prompts)), slice(len(prompts), None)
+    assert all(rounds[again]), f"a prompt sent again was not proposed its earlier reply: {rounds}"
+    assert sum(taus[again]) > sum(taus[first]), f"no more accepted per round the second time: {taus}"
+    target.generate(prompts[0], do_sample=True, max_new_tokens=8, eos_token_id=None, pad_token_id=0,
+                    assistant_model=drafter)
+    assert corpus.added == 2 * len(prompts), "a sampled reply joined the corpus"
+
+
 @pytest.mark.parametrize("draft_length", ["auto", "full"])
 def test_ngram_lookup_rounds_are_lossless(target, family, draft_length):
     """`lookup_tokens`: rounds verifying an n-gram lookup beside drafter rounds; prompts that repeat themselves, so

@@ -254,6 +254,10 @@ class GrowingCorpus:
     of the longer context match, the window's on a tie (the more recent). What SuffixDecoding does with previous
     outputs, with a bounded memory.
 
+    The batched engine adds its finished requests (`EngineConfig.corpus_window_tokens`), the `generate()` hook each
+    greedy call's reply as the call returns (a drafter whose `lookup_corpus` is one). The window is copied before it
+    is indexed (one C call under the GIL), so an addition from another thread cannot break a rebuild.
+
     The proposals stay deterministic functions of the context and of replies already finished, so verifying them
     keeps greedy output identical and sampling exact. They also make one request's speed depend on what earlier
     requests generated: in a server shared by clients who must not learn about each other's traffic, leave it off."""
@@ -312,7 +316,7 @@ class GrowingCorpus:
         due = self._index is None or self.rebuild_share is None or \
             now - self._built_at >= self._build_seconds / self.rebuild_share
         if self._dirty and due and self._recent:
-            self._index = CorpusIndex(self._recent, max_match=self.max_match, min_match=self.min_match,
+            self._index = CorpusIndex(list(self._recent), max_match=self.max_match, min_match=self.min_match,
                                       full_match=self.full_match)
             self._index.warm()
             self._built_at = time.perf_counter()
