@@ -1,7 +1,8 @@
 """The packed target's attention for one layer, as the batched engine runs it: the gather + SDPA path
 (`kernels.reference.paged_attention`, each group of sequences' keys/values copied out of the pool into a padded
-tensor, then SDPA under an additive mask) against the Triton kernel that reads them through the page table
-(`kernels.triton_kernels.paged_attention`), on random keys in a paged pool whose pages are shuffled.
+tensor, then SDPA under an additive mask) against the kernel that reads them through the page table (on CUDA
+`kernels.triton_kernels.paged_attention`, on a CPU `kernels.cpu_attention`), on random keys in a paged pool whose
+pages are shuffled.
 
     python benchmarks/paged_attention.py                       # CUDA when available
     python benchmarks/paged_attention.py --device cpu --batch 1,8 --context 256 --new 1,4
@@ -10,8 +11,9 @@ Shapes: SmolLM2-135M's 9 query and 3 key/value heads of 64 (`--heads`, `--kv-hea
 tokens; every sequence of a batch holds `context` tokens and adds `new` this step (T = batch x new query tokens). Per
 shape: milliseconds per call, median of `--repeats` timed calls after a warm-up (on CUDA each timed call is
 synchronised; the groups the gather path uses are built once beforehand, as the engine builds them once per step for
-all layers), and the largest absolute difference between the two outputs. Without CUDA the kernel cannot run (there
-is no Triton CPU backend): only the gather + SDPA path is timed."""
+all layers), and the largest absolute difference between the two outputs. Without CUDA the kernel timed is the C++
+one the engine runs on a CPU in fp32 (`kernels.cpu_attention`); in other dtypes only the gather + SDPA path is
+timed."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from angelspec_hf.tgi_patch.engine.kernels import reference
+from angelspec_hf.tgi_patch.engine.kernels import cpu_attention, reference
 from angelspec_hf.tgi_patch.engine.paged import PagedKVPool, RaggedStep
 
 
@@ -96,8 +98,12 @@ def main():
 
         kernel = triton_kernels.paged_attention
         where = torch.cuda.get_device_name(device)
+    elif dtype == torch.float32 and cpu_attention.available():
+        kernel = cpu_attention.paged_attention
+        where = f"CPU, {torch.get_num_threads()} thread(s); the kernel: the C++ one (`cpu_attention`)"
     else:
-        where = f"CPU, {torch.get_num_threads()} thread(s); the kernel needs CUDA: only gather + SDPA is timed"
+        why = "fp32 only" if dtype != torch.float32 else cpu_attention.unavailable_reason()
+        where = f"CPU, {torch.get_num_threads()} thread(s); no CPU kernel ({why}): only gather + SDPA is timed"
     print(f"packed paged attention, one layer: {a.heads}/{a.kv_heads} heads of {a.head_dim}, pages of 16, "
           f"{str(dtype).removeprefix('torch.')}, {where}; ms per call, median of {a.repeats}")
     header = f"{'batch':>5} {'context':>7} {'new':>3} {'T':>5} | {'gather+SDPA':>11} {'kernel':>8} {'speed-up':>8} " \

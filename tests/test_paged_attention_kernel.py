@@ -151,6 +151,7 @@ def test_dispatch_takes_the_kernel_when_forced(monkeypatch):
     calls = count_calls(monkeypatch, kernel=(tk, "paged_attention"), reference=(reference, "paged_attention"))
     args, _ = _case([2, 0], [1, 5], 6, 2, 16, torch.float32, seed=2)
     results = {}
+    monkeypatch.setenv("ANGELSPEC_CPU_ATTENTION", "0")  # not the C++ CPU kernel (test_cpu_paged_attention.py)
     monkeypatch.setenv("ANGELSPEC_FORCE_TRITON", "1")
     for force in ("", "1"):
         monkeypatch.setenv("ANGELSPEC_FORCE_TRITON_ATTENTION", force)

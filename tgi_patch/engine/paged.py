@@ -9,8 +9,9 @@ Two ways a model reads it:
 * the target runs **packed** — the new tokens of all sequences in one row `[1, T]`, so every linear layer costs the
   tokens actually verified — through the `angelspec_ragged` attention function registered below (it writes the new
   keys/values into the pool, then attends through `kernels.paged_attention`: on CUDA a Triton kernel that reads each
-  sequence's keys through the page table, elsewhere a gather of each sequence's keys, SDPA, and the result packed
-  back). The gathering path pads the queries of a group of sequences to its longest: sequences are grouped by their
+  sequence's keys through the page table, on a CPU in fp32 a C++ kernel that does the same (`kernels.cpu_attention`),
+  elsewhere a gather of each sequence's keys, SDPA, and the result packed back). The gathering path pads the queries
+  of a group of sequences to its longest: sequences are grouped by their
   new-token count in powers of two (`RaggedStep.groups`), so a prompt prefilled beside decoding requests, or one long
   draft beside short ones, does not pad every sequence of the batch to its length;
 * drafters run **padded** `[B, n_max]` through `PoolCache`, a cache object with the `update()` contract transformers'

@@ -1,13 +1,14 @@
 """The engine's hot steps, D-Cut selection, verification (of a ragged batch, and of a greedy batch straight from the
 packed logits) and the packed target's attention over the paged KV store: Triton kernels on CUDA
-(`triton_kernels.py`), the torch reference (`reference.py`) everywhere else, side by side in this folder. Same
+(`triton_kernels.py`), the packed attention on a CPU in fp32 in C++ (`cpu_attention.py`), the torch reference
+(`reference.py`) everywhere else, side by side in this folder. Same
 signatures, same outputs; this module only dispatches (and never imports triton until a kernel is wanted)."""
 
 from __future__ import annotations
 
 import os
 
-from . import reference
+from . import cpu_attention, reference
 
 
 def _use_triton(tensor, force: str = "ANGELSPEC_FORCE_TRITON") -> bool:
@@ -59,13 +60,15 @@ def use_paged_attention_kernel(tensor) -> bool:
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
                     held_host: list[int], new_host: list[int], groups=None, causal: bool = True):
     """Attention of a packed ragged batch through the pool's page table, causal or over whole blocks
-    (`reference.paged_attention` states the contract): the Triton kernel on CUDA, the reference's gather + SDPA
-    elsewhere. Under the interpreter the
+    (`reference.paged_attention` states the contract): the Triton kernel on CUDA, the C++ kernel on a CPU in fp32
+    (`cpu_attention`), the reference's gather + SDPA elsewhere. Under the interpreter the
     kernel is forced by its own variable, `ANGELSPEC_FORCE_TRITON_ATTENTION=1` (not by `ANGELSPEC_FORCE_TRITON`):
     interpreted, it costs milliseconds per (sequence, KV head) program in every layer, which would slow every
     forced run of the verification kernels through the engine about tenfold."""
     if use_paged_attention_kernel(query):
         from .triton_kernels import paged_attention as impl
+    elif cpu_attention.usable(query, key_cache):
+        impl = cpu_attention.paged_attention
     else:
         impl = reference.paged_attention
     return impl(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size, held_host,

@@ -1,0 +1,109 @@
+// Attention of a packed ragged batch over the batched engine's paged KV pool, on a CPU, fp32
+// (angelspec_hf/tgi_patch/engine/kernels/cpu_attention.py; the contract is `kernels.reference.paged_attention`'s).
+//
+// The reference gathers every group of sequences' keys and values out of the pool into padded tensors, then runs
+// SDPA under an additive mask: in a decode step of 8 requests with a few hundred tokens each, that copying and masking
+// took about a quarter of the step. Here each (sequence, KV head) is one work item: its keys are read in place through
+// the page table, once for all the query heads that share them and all its new tokens; scores, softmax and the
+// weighted sum of values run in fp32 (a two-pass softmax: max, then exp and sum). Nothing is padded and nothing masked.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <math.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GLIBC__)
+// glibc's vector math library (libmvec, linked with -lmvec) has SIMD variants of expf for every x86-64 vector ISA;
+// declaring them lets the softmax's exp loop vectorize without -ffast-math (which would also reorder every other sum)
+extern "C" float expf(float) __attribute__((simd("notinbranch")));
+#endif
+
+namespace {
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor page_table, torch::Tensor slots, torch::Tensor held, torch::Tensor fresh,
+                              torch::Tensor starts, double scaling, int64_t page_size, bool causal) {
+  TORCH_CHECK(query.device().is_cpu(), "paged_attention (CPU): tensors must be on the CPU");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
+                  value_cache.scalar_type() == torch::kFloat32,
+              "paged_attention (CPU): fp32 query and caches only");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes(),
+              "paged_attention (CPU): query [T, H, D], caches [slots, Hkv, D]");
+  query = query.contiguous();
+  key_cache = key_cache.contiguous();
+  value_cache = value_cache.contiguous();
+  page_table = page_table.to(torch::kInt64).contiguous();
+  slots = slots.to(torch::kInt64).contiguous();
+  held = held.to(torch::kInt64).contiguous();
+  fresh = fresh.to(torch::kInt64).contiguous();
+  starts = starts.to(torch::kInt64).contiguous();
+  const int64_t H = query.size(1), D = query.size(2), Hkv = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(2) == D && H % Hkv == 0, "paged_attention (CPU): head sizes do not match");
+  const int64_t group = H / Hkv, width = page_table.size(1), batch = slots.size(0);
+  const float scale = static_cast<float>(scaling);
+  auto out = torch::empty_like(query);
+  const float* q_all = query.data_ptr<float>();
+  const float* k_all = key_cache.data_ptr<float>();
+  const float* v_all = value_cache.data_ptr<float>();
+  float* o_all = out.data_ptr<float>();
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t* slot_of_row = slots.data_ptr<int64_t>();
+  const int64_t* held_of = held.data_ptr<int64_t>();
+  const int64_t* new_of = fresh.data_ptr<int64_t>();
+  const int64_t* start_of = starts.data_ptr<int64_t>();
+
+  at::parallel_for(0, batch * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> where;  // pool row of each key position of the sequence
+    std::vector<float> scores;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t b = item / Hkv, kv_head = item % Hkv;
+      const int64_t n = new_of[b], before = held_of[b], total = before + n;
+      if (n <= 0) continue;
+      const int64_t* pages = table + slot_of_row[b] * width;
+      where.resize(total);
+      for (int64_t p = 0; p < total; ++p) where[p] = (pages[p / page_size] * page_size + p % page_size) * Hkv + kv_head;
+      scores.resize(total);
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t keys = causal ? before + c + 1 : total;
+        const int64_t token = start_of[b] + c;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = kv_head * group + g;
+          const float* q = q_all + (token * H + head) * D;
+          float peak = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < keys; ++p) {
+            const float* k = k_all + where[p] * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+            scores[p] = dot * scale;
+            peak = std::max(peak, scores[p]);
+          }
+          float* e = scores.data();
+#pragma omp simd
+          for (int64_t p = 0; p < keys; ++p) e[p] = expf(e[p] - peak);
+          float sum = 0.f;
+          for (int64_t p = 0; p < keys; ++p) sum += e[p];
+          float* o = o_all + (token * H + head) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+          const float inv = 1.f / sum;
+          for (int64_t p = 0; p < keys; ++p) {
+            const float w = scores[p] * inv;
+            const float* v = v_all + where[p] * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention of a packed ragged batch over a paged KV pool (CPU, fp32)");
+}

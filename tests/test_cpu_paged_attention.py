@@ -1,0 +1,86 @@
+"""The packed target's attention on a CPU in fp32 (`kernels.cpu_attention`, C++ compiled on first use) against its
+torch reference (`reference.paged_attention`: gather + SDPA), the dispatch that picks it, and the engine running
+through it. The pools are those of `test_paged_attention_kernel.py`: pages shuffled, every slot that holds no key
+NaN, so a read of any slot the page table does not name for a key a token may see turns the output into NaN."""
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_target
+from test_paged_attention_kernel import CASES, _case
+
+from angelspec_hf.tgi_patch.engine import generate_batch, kernels
+from angelspec_hf.tgi_patch.engine.kernels import cpu_attention, reference
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason=f"the CPU paged-attention kernel did not build here: "
+                                       f"{cpu_attention.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "whole blocks"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 16), (6, 2, 16), (9, 3, 64), (4, 1, 24)],
+                         ids=["mha", "gqa3", "smollm2", "mqa-d24"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cpu_kernel_matches_reference(name, heads, kv_heads, head_dim, causal):
+    args, _ = _case(*CASES[name], heads, kv_heads, head_dim, torch.float32, seed=len(name) + heads, device="cpu")
+    want = reference.paged_attention(*args, causal=causal)
+    got = cpu_attention.paged_attention(*args, causal=causal)
+    assert not want.isnan().any() and not got.isnan().any()
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_kernel_long_contexts_and_default_scaling():
+    """SmolLM2's shapes on contexts of hundreds of tokens (the engine's decode steps and verifies), and `scaling`
+    None meaning `D ** -0.5` as in the reference."""
+    args, _ = _case([700, 255, 0, 31] + [128] * 12, [1, 9, 300, 4] + [1] * 12, 9, 3, 64, torch.float32, seed=3,
+                    device="cpu")
+    args = args[:8] + (None,) + args[9:]
+    torch.testing.assert_close(cpu_attention.paged_attention(*args), reference.paged_attention(*args), atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_dispatch_takes_the_cpu_kernel_for_fp32_only(monkeypatch):
+    """`kernels.paged_attention` runs the C++ kernel for fp32 CPU tensors, the reference for other dtypes, for a
+    query that needs a gradient, and with `ANGELSPEC_CPU_ATTENTION=0`."""
+    calls = []
+    for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
+        original = module.paged_attention
+
+        def counting(*a, _original=original, _name=name, **k):
+            calls.append(_name)
+            return _original(*a, **k)
+
+        monkeypatch.setattr(module, "paged_attention", counting)
+    args, _ = _case(*CASES["mixed"], 6, 2, 16, torch.float32, seed=1, device="cpu")
+    kernels.paged_attention(*args)
+    half, _ = _case(*CASES["mixed"], 6, 2, 16, torch.bfloat16, seed=1, device="cpu")
+    kernels.paged_attention(*half)
+    kernels.paged_attention(args[0].clone().requires_grad_(), *args[1:])
+    monkeypatch.setenv("ANGELSPEC_CPU_ATTENTION", "0")
+    kernels.paged_attention(*args)
+    assert calls == ["cpu", "reference", "reference", "reference"]
+
+
+@pytest.mark.parametrize("verify", ["full", "auto"])
+def test_engine_through_the_cpu_kernel_stays_plain_greedy(monkeypatch, verify):
+    """The engine's target attends through the kernel (no reference call), drafts are accepted, and every output is
+    plain greedy decoding's (the twin runs transformers' own attention)."""
+    calls = {"cpu": 0, "reference": 0}
+    for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
+        original = module.paged_attention
+
+        def counting(*a, _original=original, _name=name, **k):
+            calls[_name] += 1
+            return _original(*a, **k)
+
+        monkeypatch.setattr(module, "paged_attention", counting)
+    prompts = [[5, 6, 7], [9] * 11, [4, 3], [3, 4, 5, 3, 4] * 4, [7] * 40, [8, 9]]
+    target, twin = tiny_target(), tiny_target()
+    drafter = tiny_drafter("dfly", target)
+    outputs, engine = generate_batch(target, drafter, prompts, max_new_tokens=24, verify=verify, return_engine=True)
+    assert calls["cpu"] > 0 and calls["reference"] == 0
+    assert engine.stats["accepted"] > 0
+    for prompt, out in zip(prompts, outputs):
+        plain = twin.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,
+                              pad_token_id=0)
+        assert out == plain[0, len(prompt):].tolist()
