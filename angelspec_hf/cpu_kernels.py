@@ -79,10 +79,10 @@ def mkl_pack_available() -> bool:
                 and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-def _build_fingerprint(source_file: Path = STREAM_SOURCE) -> str:
+def _build_fingerprint(source_file: Path = STREAM_SOURCE, flags_used: tuple[str, ...] = ()) -> str:
     """What a compiled kernel depends on, for its name in torch's extensions folder (which machines and checkouts
     may share): the CPU's instruction sets (it is built with -march=native), the torch it links against, and the
-    source file, its path included (two checkouts never rebuild over each other's build)."""
+    source file, its path included (two checkouts never rebuild over each other's build), and any extra build flags."""
     flags = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -90,28 +90,31 @@ def _build_fingerprint(source_file: Path = STREAM_SOURCE) -> str:
                 flags = line
                 break
     source = source_file.read_bytes() if source_file.exists() else b""
-    text = "\n".join([platform.machine(), platform.processor(), flags, torch.__version__, str(source_file.resolve())])
+    text = "\n".join([platform.machine(), platform.processor(), flags, torch.__version__, str(source_file.resolve()),
+                      *flags_used])
     return hashlib.sha256(text.encode() + source).hexdigest()[:12]
 
 
-def compile_extension(prefix: str, source_file: Path, what: str, extra_ldflags: tuple[str, ...] = ()):
+def compile_extension(prefix: str, source_file: Path, what: str, extra_cflags: tuple[str, ...] = (),
+                      extra_ldflags: tuple[str, ...] = ()):
     """The compiled C++ module of `source_file` (built for this CPU on first use, about 30 s, then loaded from torch's
     extensions folder under `prefix` and `_build_fingerprint`), or the exception that building it raised (no
     compiler, no ninja, no headers, an ISA the compiler does not know). `what` names it in the one-time warning;
-    `extra_ldflags` are added to the link."""
+    `extra_cflags` / `extra_ldflags` are added to the compile / link (and to the fingerprint)."""
     try:
         import logging
         import os
 
         from torch.utils.cpp_extension import get_default_build_root, load
 
-        name = f"{prefix}_{_build_fingerprint(source_file)}"
+        name = f"{prefix}_{_build_fingerprint(source_file, (*extra_cflags, *extra_ldflags))}"
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         if not any(root.glob(f"{name}/*.so")) and not any(root.glob(f"*/{name}/*.so")):
             logging.getLogger(__name__).warning("compiling %s (%s) for this CPU: once, about 30 s", what,
                                                 source_file.name)
         return load(name=name, sources=[str(source_file)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp", *extra_ldflags],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                    extra_ldflags=["-fopenmp", *extra_ldflags],
                     verbose=False)
     except Exception as error:  # noqa: BLE001 - reported by the caller as why the kernel is unavailable
         return error

@@ -8,7 +8,8 @@ both ways).
 Closed loop (`bench_batch.closed_loop`): `--requests-per-client` requests per client, 12 chat-templated EVAL prompts
 (4 each of HumanEval, GSM8K, MT-Bench), greedy, `--max-new-tokens`. Per concurrency and method: the median tok/s of
 each attention path over the repeats and the median of the per-repeat ratios; every output must be the same either
-way (and equal plain batched decoding's)."""
+way (and equal plain batched decoding's). The D-Cut engine has one cost model for both paths (profiled as it is made,
+with the kernel, and refined from every step it times)."""
 
 from __future__ import annotations
 

@@ -374,7 +374,7 @@ def _add_reply(corpus, reply: list, prompt_length: int) -> None:
     corpus, after the last `corpus.max_match` tokens of its prompt (what a later context must match to propose it)."""
     ids = reply[0][0]
     if ids.shape[0] > prompt_length:
-        corpus.add(ids[max(0, prompt_length - corpus.max_match):].cpu())
+        corpus.add(ids[max(0, prompt_length - getattr(corpus, "max_match", 0)):].cpu())
 
 
 def _is_angelspec_drafter(model) -> bool:

@@ -35,12 +35,40 @@ def test_cpu_kernel_long_contexts_and_default_scaling():
     args, _ = _case([700, 255, 0, 31] + [128] * 12, [1, 9, 300, 4] + [1] * 12, 9, 3, 64, torch.float32, seed=3,
                     device="cpu")
     args = args[:8] + (None,) + args[9:]
-    torch.testing.assert_close(cpu_attention.paged_attention(*args), reference.paged_attention(*args), atol=2e-5,
-                               rtol=2e-5)
+    want = reference.paged_attention(*args)
+    torch.testing.assert_close(cpu_attention.paged_attention(*args), want, atol=2e-5, rtol=2e-5)  # 300: the reference
+    torch.testing.assert_close(cpu_attention.paged_attention(*args[:10]), want, atol=2e-5, rtol=2e-5)  # all the kernel
+
+
+def test_cpu_kernel_pages_of_8_and_sequences_adding_nothing():
+    """Pages of another size, and a sequence that adds no token this step (it owns no query row: skipped)."""
+    args, _ = _case([40, 3, 17], [2, 1, 6], 6, 2, 16, torch.float32, seed=5, page_size=8, device="cpu")
+    query, k, v, table, slots, held = args[:6]
+    new, starts = torch.tensor([2, 0, 6]), torch.tensor([0, 2, 2])
+    query = torch.cat([query[0:2], query[3:9]])  # the first and the last sequence's rows
+    trimmed = (query, k, v, table, slots, held, new, starts, *args[8:10], args[10], new.tolist())
+    got = cpu_attention.paged_attention(*trimmed)
+    assert args[9] == 8 and got.shape == (8, 6, 16) and not got.isnan().any()
+    torch.testing.assert_close(got, reference.paged_attention(*trimmed), atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_kernel_rejects_what_would_read_outside_its_tensors():
+    """A slot outside the page table, a sequence longer than its page-table row, new tokens past the query: clear
+    errors, not reads of other memory."""
+    args, _ = _case(*CASES["drafts"], 6, 2, 16, torch.float32, seed=4, device="cpu")
+    query, k, v, table, slots, held, new, starts = args[:8]
+    bad = {"a slot outside the page table": (query, k, v, table, slots + table.shape[0], held, new, starts),
+           "a sequence longer than its page-table row": (query, k, v, table, slots, held + 16 * table.shape[1], new,
+                                                         starts),
+           "new tokens outside the query": (query, k, v, table, slots, held, new, starts + query.shape[0])}
+    for what, call in bad.items():
+        with pytest.raises(RuntimeError, match=what.split(" ")[-1]):
+            cpu_attention.paged_attention(*call, None, 16)
 
 
 def test_dispatch_takes_the_cpu_kernel_for_fp32_only(monkeypatch):
-    """`kernels.paged_attention` runs the C++ kernel for fp32 CPU tensors, the reference for other dtypes, for a
+    """`kernels.paged_attention` runs the C++ kernel for fp32 CPU tensors (a sequence adding more than
+    `MAX_NEW_TOKENS`, a prompt's prefill, through the reference within it), the reference for other dtypes, for a
     query that needs a gradient, and with `ANGELSPEC_CPU_ATTENTION=0`."""
     calls = []
     for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
@@ -51,26 +79,29 @@ def test_dispatch_takes_the_cpu_kernel_for_fp32_only(monkeypatch):
             return _original(*a, **k)
 
         monkeypatch.setattr(module, "paged_attention", counting)
-    args, _ = _case(*CASES["mixed"], 6, 2, 16, torch.float32, seed=1, device="cpu")
+    args, _ = _case(*CASES["drafts"], 6, 2, 16, torch.float32, seed=1, device="cpu")
     kernels.paged_attention(*args)
-    half, _ = _case(*CASES["mixed"], 6, 2, 16, torch.bfloat16, seed=1, device="cpu")
+    half, _ = _case(*CASES["drafts"], 6, 2, 16, torch.bfloat16, seed=1, device="cpu")
     kernels.paged_attention(*half)
     kernels.paged_attention(args[0].clone().requires_grad_(), *args[1:])
+    prefill, _ = _case([0, 5], [cpu_attention.MAX_NEW_TOKENS + 1, 1], 6, 2, 16, torch.float32, seed=1, device="cpu")
+    kernels.paged_attention(*prefill)
     monkeypatch.setenv("ANGELSPEC_CPU_ATTENTION", "0")
     kernels.paged_attention(*args)
-    assert calls == ["cpu", "reference", "reference", "reference"]
+    assert calls == ["cpu", "reference", "reference", "cpu", "reference", "reference"]
 
 
 @pytest.mark.parametrize("verify", ["full", "auto"])
 def test_engine_through_the_cpu_kernel_stays_plain_greedy(monkeypatch, verify):
-    """The engine's target attends through the kernel (no reference call), drafts are accepted, and every output is
-    plain greedy decoding's (the twin runs transformers' own attention)."""
-    calls = {"cpu": 0, "reference": 0}
+    """The engine's target attends through the kernel (the reference only for sequences adding more than
+    `MAX_NEW_TOKENS`: prompts' prefills), drafts are accepted, and every output is plain greedy decoding's (the twin
+    runs transformers' own attention)."""
+    calls = {"cpu": [], "reference": []}  # the tokens each sequence adds, per call
     for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
         original = module.paged_attention
 
         def counting(*a, _original=original, _name=name, **k):
-            calls[_name] += 1
+            calls[_name].append(list(a[11]))
             return _original(*a, **k)
 
         monkeypatch.setattr(module, "paged_attention", counting)
@@ -78,7 +109,9 @@ def test_engine_through_the_cpu_kernel_stays_plain_greedy(monkeypatch, verify):
     target, twin = tiny_target(), tiny_target()
     drafter = tiny_drafter("dfly", target)
     outputs, engine = generate_batch(target, drafter, prompts, max_new_tokens=24, verify=verify, return_engine=True)
-    assert calls["cpu"] > 0 and calls["reference"] == 0
+    assert engine.runner.attention_kind == "cpu-kernel"  # its cost profiles are keyed apart
+    assert calls["cpu"] and calls["reference"]  # the 40-token prompt's prefill, beside others
+    assert all(n > cpu_attention.MAX_NEW_TOKENS for new in calls["reference"] for n in new)
     assert engine.stats["accepted"] > 0
     for prompt, out in zip(prompts, outputs):
         plain = twin.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,

@@ -15,9 +15,10 @@
 #include <limits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GLIBC__)
-// glibc's vector math library (libmvec, linked with -lmvec) has SIMD variants of expf for every x86-64 vector ISA;
-// declaring them lets the softmax's exp loop vectorize without -ffast-math (which would also reorder every other sum)
+#if defined(ANGELSPEC_MVEC)
+// glibc's vector math library (libmvec: the build defines ANGELSPEC_MVEC where it links it, x86-64 with glibc) has
+// SIMD variants of expf for every x86-64 vector ISA; declaring them lets the softmax's exp loop vectorize without
+// -ffast-math (which would also reorder every other sum)
 extern "C" float expf(float) __attribute__((simd("notinbranch")));
 #endif
 
@@ -26,7 +27,8 @@ namespace {
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor page_table, torch::Tensor slots, torch::Tensor held, torch::Tensor fresh,
                               torch::Tensor starts, double scaling, int64_t page_size, bool causal) {
-  TORCH_CHECK(query.device().is_cpu(), "paged_attention (CPU): tensors must be on the CPU");
+  for (const auto& t : {query, key_cache, value_cache, page_table, slots, held, fresh, starts})
+    TORCH_CHECK(t.device().is_cpu(), "paged_attention (CPU): tensors must be on the CPU");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
                   value_cache.scalar_type() == torch::kFloat32,
               "paged_attention (CPU): fp32 query and caches only");
@@ -42,7 +44,25 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   starts = starts.to(torch::kInt64).contiguous();
   const int64_t H = query.size(1), D = query.size(2), Hkv = key_cache.size(1);
   TORCH_CHECK(key_cache.size(2) == D && H % Hkv == 0, "paged_attention (CPU): head sizes do not match");
+  TORCH_CHECK(Hkv > 0 && page_size > 0 && page_table.dim() == 2, "paged_attention (CPU): bad head or page sizes");
   const int64_t group = H / Hkv, width = page_table.size(1), batch = slots.size(0);
+  TORCH_CHECK(held.numel() >= batch && fresh.numel() >= batch && starts.numel() >= batch,
+              "paged_attention (CPU): held, new and starts need one entry per sequence");
+  {  // every read and write below stays inside its tensor (O(batch) checks; the page ids: O(pages))
+    const int64_t* t = page_table.data_ptr<int64_t>();
+    const int64_t pool_pages = key_cache.size(0) / page_size;
+    for (int64_t i = 0; i < page_table.numel(); ++i)
+      TORCH_CHECK(t[i] >= 0 && t[i] < pool_pages, "paged_attention (CPU): a page id outside the pool");
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t s_b = slots.data_ptr<int64_t>()[b], h_b = held.data_ptr<int64_t>()[b];
+      const int64_t n_b = fresh.data_ptr<int64_t>()[b], st_b = starts.data_ptr<int64_t>()[b];
+      TORCH_CHECK(s_b >= 0 && s_b < page_table.size(0), "paged_attention (CPU): a slot outside the page table");
+      TORCH_CHECK(h_b >= 0 && n_b >= 0 && h_b + n_b <= width * page_size,
+                  "paged_attention (CPU): a sequence longer than its page-table row");
+      TORCH_CHECK(n_b == 0 || (st_b >= 0 && st_b + n_b <= query.size(0)),
+                  "paged_attention (CPU): a sequence's new tokens outside the query");
+    }
+  }
   const float scale = static_cast<float>(scaling);
   auto out = torch::empty_like(query);
   const float* q_all = query.data_ptr<float>();
@@ -105,5 +125,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention of a packed ragged batch over a paged KV pool (CPU, fp32)");
+  // the GIL is released while it runs: a server's HTTP thread keeps going beside the engine's steps
+  m.def("paged_attention", &paged_attention, "attention of a packed ragged batch over a paged KV pool (CPU, fp32)",
+        py::call_guard<py::gil_scoped_release>());
 }

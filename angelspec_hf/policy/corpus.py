@@ -316,11 +316,12 @@ class GrowingCorpus:
         due = self._index is None or self.rebuild_share is None or \
             now - self._built_at >= self._build_seconds / self.rebuild_share
         if self._dirty and due and self._recent:
+            self._dirty = False  # before the copy: an addition made during the build marks the window dirty again
             self._index = CorpusIndex(list(self._recent), max_match=self.max_match, min_match=self.min_match,
                                       full_match=self.full_match)
             self._index.warm()
             self._built_at = time.perf_counter()
-            self._build_seconds, self._dirty = self._built_at - now, False
+            self._build_seconds = self._built_at - now
         return self._index
 
     def warm(self) -> None:

@@ -4,6 +4,7 @@ hardware (`load_or_profile`), then refined from the engine's own timed steps."""
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -174,6 +175,8 @@ def load_or_profile(runner, cache_dir=None, **profile_kwargs) -> CostModel:
     profiled now (and cached when the machine was quiet: `costs.profile_cached`). `runner`: a `ModelRunner` (an
     engine's is `engine.runner`)."""
     key = hardware_key(runner.target, runner.drafter)
+    if getattr(runner, "attention_kind", None):  # the engine's attention path, where not the reference (its costs)
+        key = hashlib.sha256(f"{key}\nattention:{runner.attention_kind}".encode()).hexdigest()[:16]
     path = Path(cache_dir or default_cache_dir()) / f"{key}.json"
 
     def measure() -> CostModel:

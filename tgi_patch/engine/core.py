@@ -33,7 +33,7 @@ from angelspec_hf.policy import (CostModel, GrowingCorpus, StepKind, clock, draf
                                  plan_acceptance)
 from angelspec_hf.prompts import chat_ids
 
-from . import kernels, verification
+from . import verification
 from .config import EngineConfig
 from .dcut import DCutPolicy, LookupChoice, parse_verify
 from .model_runner import ModelRunner, PackedForward
@@ -118,8 +118,6 @@ class SpeculativeEngine:
             kv_cache_tokens = max_batch_size * self.KV_TOKENS_PER_SEQUENCE
         self.runner = ModelRunner(target, drafter, max_batch_size, kv_cache_tokens)
         self.device = self.runner.device
-        if self.device.type == "cpu" and kernels.cpu_attention.enabled():
-            kernels.cpu_attention.available()  # its attention kernel compiled (once per machine) now, not in a step
         self.early_stop_drafting = (self.device.type == "cpu" if config.early_stop_drafting is None
                                     else config.early_stop_drafting)
         text_config = target.config.get_text_config()

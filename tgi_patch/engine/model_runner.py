@@ -18,6 +18,7 @@ import torch
 
 from angelspec_hf.policy import clock
 
+from . import kernels
 from .drafting import BatchDrafter
 from .paged import RAGGED_ATTENTION, PagedKVPool, RaggedStep, pages_for
 from .transfer import upload
@@ -56,6 +57,11 @@ class ModelRunner:
                                 self.device, max_batch_size, num_pages=pages_for(kv_cache_tokens))
         self.batch_drafter = (BatchDrafter(drafter, target, max_batch_size, kv_cache_tokens)
                               if drafter is not None else None)
+        # the packed target's attention where it is not the reference's gather + SDPA on this device: its steps cost
+        # otherwise, so the engine's cost profiles are keyed by it (`policy.load_or_profile`); None keeps old keys
+        cpu_kernel = (self.device.type == "cpu" and self.pool.k.dtype == torch.float32
+                      and kernels.cpu_attention.enabled() and kernels.cpu_attention.available())
+        self.attention_kind = "cpu-kernel" if cpu_kernel else None
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         self.anchor = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         # Target features of accepted tokens the drafter has not ingested yet: one chunk per step, each row with its

@@ -67,7 +67,7 @@ def paged_attention(query, key_cache, value_cache, page_table, slots, held, new,
     forced run of the verification kernels through the engine about tenfold."""
     if use_paged_attention_kernel(query):
         from .triton_kernels import paged_attention as impl
-    elif cpu_attention.usable(query, key_cache):
+    elif cpu_attention.usable(query, key_cache, value_cache):
         impl = cpu_attention.paged_attention
     else:
         impl = reference.paged_attention

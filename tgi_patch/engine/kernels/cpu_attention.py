@@ -5,8 +5,10 @@ and ninja, as the weight-streaming linear kernel does).
 It reads each sequence's keys and values in place through the page table, once per (sequence, KV head) for all the
 query heads that share them and all the sequence's new tokens, where the reference (`reference.paged_attention`)
 copies every group of sequences' keys into a padded tensor and runs SDPA under a mask. Same contract, same outputs to
-float32 rounding (`tests/test_paged_attention_kernel.py`). `usable()` says when `kernels.paged_attention` takes it: CPU
-tensors, fp32, no gradient, the kernel built, and `ANGELSPEC_CPU_ATTENTION` not set to 0 (which keeps the reference)."""
+float32 rounding (`tests/test_cpu_paged_attention.py`). `usable()` says when `kernels.paged_attention` takes it: CPU
+tensors, fp32, no gradient, the kernel built, and `ANGELSPEC_CPU_ATTENTION` not set to 0 (which keeps the
+reference); within a step, a sequence adding more than `MAX_NEW_TOKENS` tokens (a prompt's prefill) attends through
+the reference."""
 
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ def _extension():
 
     from angelspec_hf.cpu_kernels import compile_extension
 
-    vector_math = ("-lmvec",) if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc" else ()
-    return compile_extension("angelspec_paged_attention", _source(), "the CPU paged-attention kernel", vector_math)
+    mvec = platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc"  # glibc's vector math library
+    return compile_extension("angelspec_paged_attention", _source(), "the CPU paged-attention kernel",
+                             ("-DANGELSPEC_MVEC",) if mvec else (), ("-lmvec",) if mvec else ())
 
 
 def available() -> bool:
@@ -53,16 +56,41 @@ def enabled() -> bool:
     return os.environ.get("ANGELSPEC_CPU_ATTENTION", "1") != "0"
 
 
-def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Does `kernels.paged_attention` run this kernel for these tensors?"""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
-            and not query.requires_grad and enabled() and available())
+MAX_NEW_TOKENS = 16  # a sequence adding more this step (a prompt's prefill) attends through the reference
+
+
+def usable(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor | None = None) -> bool:
+    """Does `kernels.paged_attention` run this kernel for these tensors? CPU tensors in fp32, no gradient wanted,
+    enabled, and built."""
+    tensors = [t for t in (query, key_cache, value_cache) if t is not None]
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and enabled() and available())
 
 
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,
                     held_host=None, new_host=None, groups=None, causal: bool = True):
-    """`reference.paged_attention`'s contract (`held_host`, `new_host` and `groups` are not needed: the kernel reads
-    the device values and the page table)."""
+    """`reference.paged_attention`'s contract. The sequences adding more than `MAX_NEW_TOKENS` this step (by
+    `new_host`; None: none are split off) attend through the reference, whose blocked products are faster for a
+    prompt's prefill; every other sequence through the kernel, which reads the device values and the page table
+    (`groups` is not needed)."""
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    return _extension().paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scale,
-                                        int(page_size), bool(causal))
+    kernel = _extension().paged_attention
+    long_rows = [b for b, n in enumerate(new_host or ()) if n > MAX_NEW_TOKENS]
+    if not long_rows:
+        return kernel(query, key_cache, value_cache, page_table, slots, held, new, starts, scale, int(page_size),
+                      bool(causal))
+    from itertools import accumulate
+
+    from . import reference
+
+    rows = torch.tensor(long_rows, device=query.device)
+    out = kernel(query, key_cache, value_cache, page_table, slots, held, new.index_fill(0, rows, 0), starts, scale,
+                 int(page_size), bool(causal))  # the long sequences' rows are left to the reference
+    offsets = list(accumulate([0, *new_host[:-1]]))  # `starts` as the host knows it
+    tokens = torch.cat([torch.arange(offsets[b], offsets[b] + new_host[b]) for b in long_rows]).to(query.device)
+    sub_new = [new_host[b] for b in long_rows]
+    out[tokens] = reference.paged_attention(
+        query[tokens], key_cache, value_cache, page_table, slots[rows], held[rows], new[rows],
+        torch.tensor(list(accumulate([0, *sub_new[:-1]])), device=query.device), scaling, page_size,
+        [held_host[b] for b in long_rows], sub_new, None, causal)
+    return out
