@@ -150,12 +150,17 @@ def stream_available() -> bool:
     return not isinstance(_stream_extension(), Exception)
 
 
-def stream_unavailable_reason() -> str | None:
-    """Why the weight-streaming kernel could not be built here (the first line of the error), or None when it was."""
-    ext = _stream_extension()
+def build_error(ext) -> str | None:
+    """What `compile_extension` returned, as why the kernel is unavailable (the first line of the error), or None
+    when it built."""
     if not isinstance(ext, Exception):
         return None
     return f"{type(ext).__name__}: {(str(ext).strip().splitlines() or [''])[0]}"
+
+
+def stream_unavailable_reason() -> str | None:
+    """Why the weight-streaming kernel could not be built here (the first line of the error), or None when it was."""
+    return build_error(_stream_extension())
 
 
 def _library_available(library: str) -> bool:

@@ -45,10 +45,9 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why the kernel could not be built here (the first line of the error), or None when it was."""
-    ext = _extension()
-    if not isinstance(ext, Exception):
-        return None
-    return f"{type(ext).__name__}: {(str(ext).strip().splitlines() or [''])[0]}"
+    from angelspec_hf.cpu_kernels import build_error
+
+    return build_error(_extension())
 
 
 def enabled() -> bool:
