@@ -66,19 +66,25 @@ def test_cpu_kernel_rejects_what_would_read_outside_its_tensors():
             cpu_attention.paged_attention(*call, None, 16)
 
 
+def _record_calls(monkeypatch, note) -> None:
+    """Wrap the kernel's and the reference's `paged_attention` so that each call first runs `note(name, args)`
+    (name "cpu" or "reference"); `helpers.count_calls` counts, these tests need the order or the arguments."""
+    for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
+        original = module.paged_attention
+
+        def recorded(*a, _original=original, _name=name, **k):
+            note(_name, a)
+            return _original(*a, **k)
+
+        monkeypatch.setattr(module, "paged_attention", recorded)
+
+
 def test_dispatch_takes_the_cpu_kernel_for_fp32_only(monkeypatch):
     """`kernels.paged_attention` runs the C++ kernel for fp32 CPU tensors (a sequence adding more than
     `MAX_NEW_TOKENS`, a prompt's prefill, through the reference within it), the reference for other dtypes, for a
     query that needs a gradient, and with `ANGELSPEC_CPU_ATTENTION=0`."""
     calls = []
-    for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
-        original = module.paged_attention
-
-        def counting(*a, _original=original, _name=name, **k):
-            calls.append(_name)
-            return _original(*a, **k)
-
-        monkeypatch.setattr(module, "paged_attention", counting)
+    _record_calls(monkeypatch, lambda name, args: calls.append(name))
     args, _ = _case(*CASES["drafts"], 6, 2, 16, torch.float32, seed=1, device="cpu")
     kernels.paged_attention(*args)
     half, _ = _case(*CASES["drafts"], 6, 2, 16, torch.bfloat16, seed=1, device="cpu")
@@ -97,14 +103,7 @@ def test_engine_through_the_cpu_kernel_stays_plain_greedy(monkeypatch, verify):
     `MAX_NEW_TOKENS`: prompts' prefills), drafts are accepted, and every output is plain greedy decoding's (the twin
     runs transformers' own attention)."""
     calls = {"cpu": [], "reference": []}  # the tokens each sequence adds, per call
-    for module, name in ((cpu_attention, "cpu"), (reference, "reference")):
-        original = module.paged_attention
-
-        def counting(*a, _original=original, _name=name, **k):
-            calls[_name].append(list(a[11]))
-            return _original(*a, **k)
-
-        monkeypatch.setattr(module, "paged_attention", counting)
+    _record_calls(monkeypatch, lambda name, args: calls[name].append(list(args[11])))
     prompts = [[5, 6, 7], [9] * 11, [4, 3], [3, 4, 5, 3, 4] * 4, [7] * 40, [8, 9]]
     target, twin = tiny_target(), tiny_target()
     drafter = tiny_drafter("dfly", target)
