@@ -9,13 +9,19 @@ Closed loop (`bench_batch.closed_loop`): `--requests-per-client` requests per cl
 (4 each of HumanEval, GSM8K, MT-Bench), greedy, `--max-new-tokens`. Per concurrency and method: the median tok/s of
 each attention path over the repeats and the median of the per-repeat ratios; every output must be the same either
 way (and equal plain batched decoding's). The D-Cut engine has one cost model for both paths (profiled as it is made,
-with the kernel, and refined from every step it times)."""
+with the kernel, and refined from every step it times).
+
+`--baseline-source FILE` adds a third path, interleaved with the other two: the kernel built from another version of
+its source (e.g. `git show <rev>:angelspec_hf/csrc/paged_attention.cpp > old.cpp`) with the drafters gathering their
+pools, as the engine ran before its drafters read them through the kernel; ratios are then also given against it."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -35,6 +41,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline-source", type=Path, default=None,
+                        help="another version of angelspec_hf/csrc/paged_attention.cpp, run as a third path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.available():
@@ -47,7 +55,27 @@ def main() -> None:
     engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max(concurrencies)),
                "dfly-dcut": SpeculativeEngine(target, drafter, verify="auto", max_batch_size=max(concurrencies))}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    paths = {"reference": "0", "kernel": "1"}
+    paths = {"reference": contextlib.nullcontext, "kernel": contextlib.nullcontext}
+    env = {"reference": "0", "kernel": "1", "baseline": "1"}
+    if args.baseline_source is not None:
+        from angelspec_hf.cpu_kernels import compile_extension
+
+        built = compile_extension("angelspec_paged_attention_baseline", args.baseline_source.resolve(),
+                                  "the baseline CPU attention kernel", *cpu_attention.build_flags())
+        if isinstance(built, Exception):
+            raise SystemExit(f"the baseline kernel did not build: {built}")
+
+        @contextlib.contextmanager
+        def baseline():  # that build in place of the kernel, and the drafters gathering their pools
+            drafting = engines["dfly-dcut"].runner.batch_drafter
+            saved = cpu_attention._extension, drafting.in_place
+            cpu_attention._extension, drafting.in_place = (lambda: built), False
+            try:
+                yield
+            finally:
+                cpu_attention._extension, drafting.in_place = saved
+
+        paths["baseline"] = baseline
     closed_loop(engines["plain"], prompts[:1], 1, 1, SamplingParams(max_new_tokens=4))  # warm-up
     print(f"closed loop, {args.requests_per_client} requests per client, {args.max_new_tokens} tokens, greedy, "
           f"{args.repeats} interleaved repeats, {args.threads} threads")
@@ -57,20 +85,23 @@ def main() -> None:
         for rep in range(args.repeats):
             order = list(paths) if rep % 2 == 0 else list(reversed(paths))
             for path in order:
-                os.environ["ANGELSPEC_CPU_ATTENTION"] = paths[path]
+                os.environ["ANGELSPEC_CPU_ATTENTION"] = env[path]
                 for method, engine in engines.items():
-                    result = closed_loop(engine, prompts, c, c * args.requests_per_client, params)
+                    with paths[path]():
+                        result = closed_loop(engine, prompts, c, c * args.requests_per_client, params)
                     outputs = result["outputs"]
                     if reference_outputs and outputs != reference_outputs:
                         raise SystemExit(f"c={c}: {method} with the {path} attention gave other tokens")
                     reference_outputs = reference_outputs or outputs
                     rates[(method, path)].append(result["throughput"])
         for method in engines:
-            ref, ker = rates[(method, "reference")], rates[(method, "kernel")]
-            ratio = statistics.median(k / r for k, r in zip(ker, ref))
-            print(f"c={c:>3} {method:<10} reference {statistics.median(ref):6.1f} tok/s, kernel "
-                  f"{statistics.median(ker):6.1f} tok/s: {ratio:.2f}x (per repeat {', '.join(f'{k / r:.2f}' for k, r in zip(ker, ref))})",
-                  flush=True)
+            ker = rates[(method, "kernel")]
+            for other in [p for p in paths if p != "kernel"]:
+                ref = rates[(method, other)]
+                ratio = statistics.median(k / r for k, r in zip(ker, ref))
+                print(f"c={c:>3} {method:<10} {other} {statistics.median(ref):6.1f} tok/s, kernel "
+                      f"{statistics.median(ker):6.1f} tok/s: {ratio:.2f}x (per repeat "
+                      f"{', '.join(f'{k / r:.2f}' for k, r in zip(ker, ref))})", flush=True)
     os.environ.pop("ANGELSPEC_CPU_ATTENTION", None)
     print("every output the same with either attention path, and equal to plain batched decoding's")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,6 +85,9 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--baseline-source", type=Path, default=None,
+                        help="CPU: another version of angelspec_hf/csrc/paged_attention.cpp (e.g. `git show "
+                             "<rev>:angelspec_hf/csrc/paged_attention.cpp > old.cpp`), timed as a third column")
     a = parser.parse_args()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -104,10 +108,22 @@ def main():
     else:
         why = "fp32 only" if dtype != torch.float32 else cpu_attention.unavailable_reason()
         where = f"CPU, {torch.get_num_threads()} thread(s); no CPU kernel ({why}): only gather + SDPA is timed"
+    baseline = None
+    if a.baseline_source is not None:
+        if kernel is not cpu_attention.paged_attention:
+            parser.error("--baseline-source: the C++ CPU kernel in fp32 only")
+        from angelspec_hf.cpu_kernels import compile_extension
+
+        built = compile_extension("angelspec_paged_attention_baseline", a.baseline_source.resolve(),
+                                  "the baseline CPU attention kernel", *cpu_attention.build_flags())
+        if isinstance(built, Exception):
+            parser.error(f"--baseline-source did not build: {built}")
+        baseline = built.paged_attention
+        where += f"; baseline: {a.baseline_source.name}"
     print(f"packed paged attention, one layer: {a.heads}/{a.kv_heads} heads of {a.head_dim}, pages of 16, "
           f"{str(dtype).removeprefix('torch.')}, {where}; ms per call, median of {a.repeats}")
     header = f"{'batch':>5} {'context':>7} {'new':>3} {'T':>5} | {'gather+SDPA':>11} {'kernel':>8} {'speed-up':>8} " \
-             f"{'max|diff|':>9}"
+             f"{'max|diff|':>9}" + (f" | {'baseline':>8} {'kernel vs baseline':>18}" if baseline else "")
     print(header)
     print("-" * len(header))
     for batch in a.batch:
@@ -125,6 +141,10 @@ def main():
                     ms_kernel = timed(lambda args=args: kernel(*args), a.repeats, cuda)
                     diff = (kernel(*args).float() - gathered().float()).abs().max().item()
                     row += f" {ms_kernel:>8.3f} {ms_ref / ms_kernel:>7.2f}x {diff:>9.2e}"
+                    if baseline is not None:
+                        # the compiled module's own call: (query ... starts, scaling, page size, causal)
+                        ms_base = timed(lambda args=args: baseline(*args[:10], True), a.repeats, cuda)
+                        row += f" | {ms_base:>8.3f} {ms_base / ms_kernel:>17.2f}x"
                 else:
                     row += f" {'-':>8} {'-':>8} {'-':>9}"
                 print(row, flush=True)

@@ -6,7 +6,7 @@ NaN, so a read of any slot the page table does not name for a key a token may se
 import pytest
 import torch
 from helpers import tiny_drafter, tiny_target
-from test_paged_attention_kernel import CASES, _case
+from test_paged_attention_kernel import CASES, _case, _draft_rounds
 
 from angelspec_hf.tgi_patch.engine import generate_batch, kernels
 from angelspec_hf.tgi_patch.engine.kernels import cpu_attention, reference
@@ -108,7 +108,9 @@ def test_engine_through_the_cpu_kernel_stays_plain_greedy(monkeypatch, verify):
     target, twin = tiny_target(), tiny_target()
     drafter = tiny_drafter("dfly", target)
     outputs, engine = generate_batch(target, drafter, prompts, max_new_tokens=24, verify=verify, return_engine=True)
-    assert engine.runner.attention_kind == "cpu-kernel"  # its cost profiles are keyed apart
+    # its cost profiles are keyed apart, by the kernel's version and the drafter's attention through it too
+    assert engine.runner.attention_kind == f"cpu-kernel:{cpu_attention.source_version()};drafter"
+    assert engine.runner.batch_drafter.in_place
     assert calls["cpu"] and calls["reference"]  # the 40-token prompt's prefill, beside others
     assert all(n > cpu_attention.MAX_NEW_TOKENS for new in calls["reference"] for n in new)
     assert engine.stats["accepted"] > 0
@@ -116,3 +118,26 @@ def test_engine_through_the_cpu_kernel_stays_plain_greedy(monkeypatch, verify):
         plain = twin.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,
                               pad_token_id=0)
         assert out == plain[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["dfly", "dflash", "mtp", "mtp_eagle3"])
+def test_drafters_read_their_pool_through_the_cpu_kernel(monkeypatch, family):
+    """On a CPU in fp32 the engine's drafters attend through the kernel too (`BatchDrafter.in_place`: DFlash / DFly
+    blocks over the whole context, MTP's new tokens and chained steps causally), with the same drafts and
+    distributions as gathering every sequence's keys (`ANGELSPEC_CPU_ATTENTION=0`), over rounds that add ragged token
+    counts to slots taken out of order."""
+    target = tiny_target()
+    drafter = tiny_drafter(family, target)
+    drafter._test_target = target
+    monkeypatch.setenv("ANGELSPEC_CPU_ATTENTION", "0")
+    gathered = _draft_rounds(drafter, in_place=False, device="cpu")
+    monkeypatch.delenv("ANGELSPEC_CPU_ATTENTION")
+    calls = {"cpu": [], "reference": []}
+    _record_calls(monkeypatch, lambda name, args: calls[name].append(list(args[11])))
+    in_place = _draft_rounds(drafter, in_place=True, device="cpu")
+    assert len(calls["cpu"]) >= 3 * drafter.config.num_hidden_layers
+    if family in ("dfly", "dflash"):  # the blocks' rows, whole: more than one row per sequence through the kernel
+        assert any(n == drafter.config.block_size for new in calls["cpu"] for n in new)
+    for (tokens, probs), (want_tokens, want_probs) in zip(in_place, gathered):
+        torch.testing.assert_close(probs, want_probs, atol=1e-5, rtol=1e-4)
+        assert torch.equal(tokens, want_tokens)

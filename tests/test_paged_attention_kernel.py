@@ -208,6 +208,7 @@ def test_drafters_read_the_pool_in_place(monkeypatch, family, kernel):
     target = tiny_target().to(DEVICE)
     drafter = tiny_drafter(family, target).to(DEVICE)
     drafter._test_target = target
+    monkeypatch.setenv("ANGELSPEC_CPU_ATTENTION", "0")  # not the C++ CPU kernel (test_cpu_paged_attention.py)
     monkeypatch.delenv("ANGELSPEC_FORCE_TRITON_ATTENTION", raising=False)
     gathered = _draft_rounds(drafter, in_place=False, device=DEVICE)
     calls = count_calls(monkeypatch, attend=(paged.PoolCache, "attend"), kernel=(tk, "paged_attention"))

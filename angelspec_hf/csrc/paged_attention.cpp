@@ -6,11 +6,17 @@
 // took about a quarter of the step. Here each (sequence, KV head) is one work item: its keys are read in place through
 // the page table, once for all the query heads that share them and all its new tokens; scores, softmax and the
 // weighted sum of values run in fp32 (a two-pass softmax: max, then exp and sum). Nothing is padded and nothing masked.
+// A sequence adding one token (a decoding row) computes each query head's scores key by key. A sequence adding several
+// (a verification of drafted tokens) has many query rows per key: its keys are read in tiles of KEY_TILE, transposed
+// once into a small buffer, and blocks of ROW_BLOCK rows get their scores against the tile from broadcast
+// multiply-adds into independent accumulators (no horizontal sums); the weighted sum of values, likewise, reads each
+// value once per block of rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <math.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -23,6 +29,89 @@ extern "C" float expf(float) __attribute__((simd("notinbranch")));
 #endif
 
 namespace {
+
+constexpr int64_t KEY_TILE = 16;  // keys per tile of the many-rows path: one 512-bit register of fp32 per row
+constexpr int64_t ROW_BLOCK = 8;  // query rows computed together: independent accumulators, each load used 8 times
+constexpr int64_t LANES = 16;     // output dimensions per pass of the weighted sum of values
+
+// Scores, softmax and weighted values of `rows` query rows (row r: `q_rows[r]`, seeing the first `limit[r]` keys, the
+// sequence's pool rows `where`) into `out_rows[r]`. `scores` holds rows x keys, `tile` D x KEY_TILE.
+void many_rows(int64_t rows, int64_t keys, int64_t D, float scale, const float* const* q_rows, const int64_t* limit,
+               const int64_t* where, const float* k_all, const float* v_all, float* const* out_rows,
+               std::vector<float>& scores, std::vector<float>& tile) {
+  scores.assign(rows * keys, 0.f);
+  tile.resize(D * KEY_TILE);
+  for (int64_t p0 = 0; p0 < keys; p0 += KEY_TILE) {
+    const int64_t width = std::min(KEY_TILE, keys - p0);
+    for (int64_t j = 0; j < KEY_TILE; ++j) {  // tile[d][j] = key p0 + j, dimension d; zeros past the last key
+      const float* k = j < width ? k_all + where[p0 + j] * D : nullptr;
+      for (int64_t d = 0; d < D; ++d) tile[d * KEY_TILE + j] = k ? k[d] : 0.f;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {  // scores of ROW_BLOCK rows against the tile at once
+      const int64_t block = std::min(ROW_BLOCK, rows - r0);
+      bool wanted = false;
+      for (int64_t i = 0; i < block; ++i) wanted = wanted || p0 < limit[r0 + i];
+      if (!wanted) continue;
+      const float* q[ROW_BLOCK];
+      for (int64_t i = 0; i < ROW_BLOCK; ++i) q[i] = q_rows[r0 + std::min(i, block - 1)];
+      float dots[ROW_BLOCK][KEY_TILE] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* t = tile.data() + d * KEY_TILE;
+        for (int64_t i = 0; i < ROW_BLOCK; ++i) {
+          const float qd = q[i][d];
+#pragma omp simd
+          for (int64_t j = 0; j < KEY_TILE; ++j) dots[i][j] += qd * t[j];
+        }
+      }
+      for (int64_t i = 0; i < block; ++i) {
+        float* out = scores.data() + (r0 + i) * keys + p0;
+        for (int64_t j = 0; j < width; ++j) out[j] = dots[i][j] * scale;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees; the weights of the others stay 0
+    float* w = scores.data() + r * keys;
+    const int64_t seen = limit[r];
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < seen; ++p) peak = std::max(peak, w[p]);
+#pragma omp simd
+    for (int64_t p = 0; p < seen; ++p) w[p] = expf(w[p] - peak);
+    float sum = 0.f;
+    for (int64_t p = 0; p < seen; ++p) sum += w[p];
+    const float inv = 1.f / sum;
+    for (int64_t p = 0; p < seen; ++p) w[p] *= inv;
+    for (int64_t p = seen; p < keys; ++p) w[p] = 0.f;
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {  // weighted values: ROW_BLOCK rows x LANES dimensions at a time
+    const int64_t block = std::min(ROW_BLOCK, rows - r0);
+    int64_t seen = 0;
+    for (int64_t i = 0; i < block; ++i) seen = std::max(seen, limit[r0 + i]);
+    const float* w[ROW_BLOCK];  // rows past the block's end read its last row's weights and are not stored
+    for (int64_t i = 0; i < ROW_BLOCK; ++i) w[i] = scores.data() + (r0 + std::min(i, block - 1)) * keys;
+    for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+      if (d0 + LANES <= D) {
+        float acc[ROW_BLOCK][LANES] = {};
+        for (int64_t p = 0; p < seen; ++p) {
+          const float* v = v_all + where[p] * D + d0;
+          for (int64_t i = 0; i < ROW_BLOCK; ++i) {
+            const float wp = w[i][p];
+#pragma omp simd
+            for (int64_t j = 0; j < LANES; ++j) acc[i][j] += wp * v[j];
+          }
+        }
+        for (int64_t i = 0; i < block; ++i)
+          for (int64_t j = 0; j < LANES; ++j) out_rows[r0 + i][d0 + j] = acc[i][j];
+      } else {  // a head size that is not a multiple of LANES: its last dimensions one by one
+        for (int64_t i = 0; i < block; ++i)
+          for (int64_t d = d0; d < D; ++d) {
+            float sum = 0.f;
+            for (int64_t p = 0; p < seen; ++p) sum += w[i][p] * v_all[where[p] * D + d];
+            out_rows[r0 + i][d] = sum;
+          }
+      }
+    }
+  }
+}
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor page_table, torch::Tensor slots, torch::Tensor held, torch::Tensor fresh,
@@ -77,7 +166,10 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 
   at::parallel_for(0, batch * Hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> where;  // pool row of each key position of the sequence
-    std::vector<float> scores;
+    std::vector<float> scores, tile;
+    std::vector<const float*> q_rows;
+    std::vector<float*> out_rows;
+    std::vector<int64_t> limit;
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t b = item / Hkv, kv_head = item % Hkv;
       const int64_t n = new_of[b], before = held_of[b], total = before + n;
@@ -85,6 +177,21 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
       const int64_t* pages = table + slot_of_row[b] * width;
       where.resize(total);
       for (int64_t p = 0; p < total; ++p) where[p] = (pages[p / page_size] * page_size + p % page_size) * Hkv + kv_head;
+      if (n > 1) {  // several new tokens: all their query rows of this KV head at once
+        q_rows.resize(n * group);
+        out_rows.resize(n * group);
+        limit.resize(n * group);
+        for (int64_t c = 0; c < n; ++c)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = c * group + g, at = (start_of[b] + c) * H + kv_head * group + g;
+            q_rows[r] = q_all + at * D;
+            out_rows[r] = o_all + at * D;
+            limit[r] = causal ? before + c + 1 : total;
+          }
+        many_rows(n * group, total, D, scale, q_rows.data(), limit.data(), where.data(), k_all, v_all,
+                  out_rows.data(), scores, tile);
+        continue;
+      }
       scores.resize(total);
       for (int64_t c = 0; c < n; ++c) {
         const int64_t keys = causal ? before + c + 1 : total;

@@ -35,9 +35,9 @@ class BatchDrafter:
         self.pool = PagedKVPool(c.num_hidden_layers, c.num_key_value_heads, head_dim, drafter.dtype, drafter.device,
                                 max_seqs, num_pages=pages_for(kv_cache_tokens))
         self.num_draft_tokens = drafter.num_draft_tokens
-        # where the kernel reads the pool (CUDA), the drafter's attention does too, instead of gathering every page
-        # (only over SDPA, the drafters' default; the registered function is SDPA for every other call)
-        self.in_place = (kernels.use_paged_attention_kernel(self.pool.k)
+        # where a kernel reads the pool (CUDA; a CPU in fp32), the drafter's attention does too, instead of gathering
+        # every page (only over SDPA, the drafters' default; the registered function is SDPA for every other call)
+        self.in_place = (kernels.reads_pool_in_place(self.pool.k)
                          and drafter.config._attn_implementation in ("sdpa", GQA_SDPA_ATTENTION, DRAFT_POOL_ATTENTION))
         if self.in_place:
             drafter.set_attn_implementation(DRAFT_POOL_ATTENTION)

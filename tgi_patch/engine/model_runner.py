@@ -58,10 +58,13 @@ class ModelRunner:
         self.batch_drafter = (BatchDrafter(drafter, target, max_batch_size, kv_cache_tokens)
                               if drafter is not None else None)
         # the packed target's attention where it is not the reference's gather + SDPA on this device: its steps cost
-        # otherwise, so the engine's cost profiles are keyed by it (`policy.load_or_profile`); None keeps old keys
+        # otherwise, so the engine's cost profiles are keyed by it, the kernel's version and whether the drafter reads
+        # its pool through it (`policy.load_or_profile`); None keeps old keys
         cpu_kernel = (self.device.type == "cpu" and self.pool.k.dtype == torch.float32
                       and kernels.cpu_attention.enabled() and kernels.cpu_attention.available())
-        self.attention_kind = "cpu-kernel" if cpu_kernel else None
+        self.attention_kind = f"cpu-kernel:{kernels.cpu_attention.source_version()}" if cpu_kernel else None
+        if cpu_kernel and self.batch_drafter is not None and self.batch_drafter.in_place:
+            self.attention_kind += ";drafter"  # the drafter's attention reads its pool through the kernel too
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         self.anchor = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         # Target features of accepted tokens the drafter has not ingested yet: one chunk per step, each row with its

@@ -15,10 +15,11 @@ Two ways a model reads it:
   new-token count in powers of two (`RaggedStep.groups`), so a prompt prefilled beside decoding requests, or one long
   draft beside short ones, does not pad every sequence of the batch to its length;
 * drafters run **padded** `[B, n_max]` through `PoolCache`, a cache object with the `update()` contract transformers'
-  attention layers call. Where `kernels.paged_attention` runs its kernel (CUDA), `update()` writes the new keys, and a
-  DFlash block's, into the pool and the drafter's attention (`pool_draft_attention`, registered below) reads the pool
-  through the kernel; elsewhere `update()` returns each sequence's gathered keys, with an explicit 4-D mask (drafter
-  batches are small: one block per sequence).
+  attention layers call. Where `kernels.paged_attention` runs a kernel (the Triton one on CUDA, the C++ one on a CPU
+  in fp32: `kernels.reads_pool_in_place`), `update()` writes the new keys, and a DFlash block's, into the pool and the
+  drafter's attention (`pool_draft_attention`, registered below) reads the pool through the kernel; elsewhere
+  `update()` returns each sequence's gathered keys, with an explicit 4-D mask (drafter batches are small: one block
+  per sequence).
 """
 
 from __future__ import annotations

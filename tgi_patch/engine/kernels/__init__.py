@@ -52,9 +52,17 @@ def verify_greedy(logits, positions, draft, depth, depth_host=None):
 
 
 def use_paged_attention_kernel(tensor) -> bool:
-    """Whether `paged_attention` runs the kernel for tensors like `tensor` (on CUDA; forced under the interpreter).
-    The drafters' attention reads the pool through it only then; elsewhere their cache gathers as before."""
+    """Whether `paged_attention` runs the Triton kernel for tensors like `tensor` (on CUDA; forced under the
+    interpreter).
+    `reads_pool_in_place` says whether any kernel reads a pool: this one, or the C++ one on a CPU in fp32."""
     return _use_triton(tensor, force="ANGELSPEC_FORCE_TRITON_ATTENTION")
+
+
+def reads_pool_in_place(tensor) -> bool:
+    """Whether `paged_attention` reads a pool like `tensor` through a kernel rather than gathering it: the Triton
+    kernel (`use_paged_attention_kernel`) or, on a CPU in fp32, the C++ one (`cpu_attention.usable`). The engine's
+    drafters attend in place (`BatchDrafter.in_place`) exactly then."""
+    return use_paged_attention_kernel(tensor) or cpu_attention.usable(tensor, tensor)
 
 
 def paged_attention(query, key_cache, value_cache, page_table, slots, held, new, starts, scaling, page_size: int,

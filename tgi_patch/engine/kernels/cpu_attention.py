@@ -4,11 +4,14 @@ and ninja, as the weight-streaming linear kernel does).
 
 It reads each sequence's keys and values in place through the page table, once per (sequence, KV head) for all the
 query heads that share them and all the sequence's new tokens, where the reference (`reference.paged_attention`)
-copies every group of sequences' keys into a padded tensor and runs SDPA under a mask. Same contract, same outputs to
+copies every group of sequences' keys into a padded tensor and runs SDPA under a mask. A sequence adding one token
+computes its scores key by key; one adding several (a verification, a drafter's block) computes blocks of query rows
+against tiles of keys, as a matrix product does. Same contract, same outputs to
 float32 rounding (`tests/test_cpu_paged_attention.py`). `usable()` says when `kernels.paged_attention` takes it: CPU
 tensors, fp32, no gradient, the kernel built, and `ANGELSPEC_CPU_ATTENTION` not set to 0 (which keeps the
 reference); within a step, a sequence adding more than `MAX_NEW_TOKENS` tokens (a prompt's prefill) attends through
-the reference."""
+the reference. The engine's drafters attend through it too where it reads their pool (`BatchDrafter.in_place`): a
+DFlash / DFly block's rows over the whole context, MTP's new tokens causally."""
 
 from __future__ import annotations
 
@@ -26,16 +29,29 @@ def _source() -> Path:
     return STREAM_SOURCE.parent / "paged_attention.cpp"
 
 
+def build_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The extra compile and link flags of the kernel's build: glibc's vector math library on x86-64."""
+    import platform
+
+    mvec = platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc"
+    return ("-DANGELSPEC_MVEC",) if mvec else (), ("-lmvec",) if mvec else ()
+
+
 @functools.cache
 def _extension():
     """The compiled module, or the exception that building it raised."""
-    import platform
-
     from angelspec_hf.cpu_kernels import compile_extension
 
-    mvec = platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc"  # glibc's vector math library
-    return compile_extension("angelspec_paged_attention", _source(), "the CPU paged-attention kernel",
-                             ("-DANGELSPEC_MVEC",) if mvec else (), ("-lmvec",) if mvec else ())
+    return compile_extension("angelspec_paged_attention", _source(), "the CPU paged-attention kernel", *build_flags())
+
+
+@functools.cache
+def source_version() -> str:
+    """A short hash of the kernel's source: an engine's cost profiles timed with one version of it are not reused
+    with another (`ModelRunner.attention_kind`)."""
+    import hashlib
+
+    return hashlib.sha256(_source().read_bytes()).hexdigest()[:10]
 
 
 def available() -> bool:
