@@ -1,7 +1,7 @@
 """The batched engine on a CPU with its packed attention in the C++ kernel (`kernels.cpu_attention`) against the
-reference's gather + SDPA (`ANGELSPEC_CPU_ATTENTION=0`), for plain batched decoding and D-Cut with the shipped DFly
-and its lookups, interleaved in one process (the dispatch reads the variable at every call, so the same engines run
-both ways).
+reference's gather + SDPA (`ANGELSPEC_CPU_ATTENTION=0`, the drafters gathering their pools), for plain batched
+decoding and D-Cut with the shipped DFly and its lookups, interleaved in one process (the dispatch reads the variable
+at every call, and the drafter's `in_place` is switched with it, so the same engines run both ways).
 
     python benchmarks/cpu_attention_engine.py --concurrency 1,4,8,16,32 --repeats 3 --threads 2
 
@@ -55,7 +55,17 @@ def main() -> None:
     engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max(concurrencies)),
                "dfly-dcut": SpeculativeEngine(target, drafter, verify="auto", max_batch_size=max(concurrencies))}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    paths = {"reference": contextlib.nullcontext, "kernel": contextlib.nullcontext}
+    @contextlib.contextmanager
+    def gathering():  # the drafters gather their pools, as an engine built with the reference does
+        drafting = engines["dfly-dcut"].runner.batch_drafter
+        saved = drafting.in_place
+        drafting.in_place = False
+        try:
+            yield
+        finally:
+            drafting.in_place = saved
+
+    paths = {"reference": gathering, "kernel": contextlib.nullcontext}
     env = {"reference": "0", "kernel": "1", "baseline": "1"}
     if args.baseline_source is not None:
         from angelspec_hf.cpu_kernels import compile_extension

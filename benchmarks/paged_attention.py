@@ -87,7 +87,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--baseline-source", type=Path, default=None,
                         help="CPU: another version of angelspec_hf/csrc/paged_attention.cpp (e.g. `git show "
-                             "<rev>:angelspec_hf/csrc/paged_attention.cpp > old.cpp`), timed as a third column")
+                             "<rev>:angelspec_hf/csrc/paged_attention.cpp > old.cpp`), timed as a third column; "
+                             "both compiled modules are then called directly, and max|diff| covers both")
     a = parser.parse_args()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -118,7 +119,11 @@ def main():
                                   "the baseline CPU attention kernel", *cpu_attention.build_flags())
         if isinstance(built, Exception):
             parser.error(f"--baseline-source did not build: {built}")
+        if max(a.new) > cpu_attention.MAX_NEW_TOKENS:
+            parser.error(f"--baseline-source: --new up to {cpu_attention.MAX_NEW_TOKENS} (longer rows go to the "
+                         f"reference)")
         baseline = built.paged_attention
+        kernel = cpu_attention._extension().paged_attention  # both compiled modules called alike
         where += f"; baseline: {a.baseline_source.name}"
     print(f"packed paged attention, one layer: {a.heads}/{a.kv_heads} heads of {a.head_dim}, pages of 16, "
           f"{str(dtype).removeprefix('torch.')}, {where}; ms per call, median of {a.repeats}")
@@ -137,13 +142,14 @@ def main():
 
                 ms_ref = timed(gathered, a.repeats, cuda)
                 row = f"{batch:>5} {context:>7} {new:>3} {batch * new:>5} | {ms_ref:>11.3f}"
+                call = (lambda f, args: f(*args[:10], True)) if baseline else (lambda f, args: f(*args))
                 if kernel is not None:
-                    ms_kernel = timed(lambda args=args: kernel(*args), a.repeats, cuda)
-                    diff = (kernel(*args).float() - gathered().float()).abs().max().item()
+                    ms_kernel = timed(lambda args=args: call(kernel, args), a.repeats, cuda)
+                    diff = (call(kernel, args).float() - gathered().float()).abs().max().item()
                     row += f" {ms_kernel:>8.3f} {ms_ref / ms_kernel:>7.2f}x {diff:>9.2e}"
                     if baseline is not None:
-                        # the compiled module's own call: (query ... starts, scaling, page size, causal)
-                        ms_base = timed(lambda args=args: baseline(*args[:10], True), a.repeats, cuda)
+                        ms_base = timed(lambda args=args: call(baseline, args), a.repeats, cuda)
+                        diff = max(diff, (call(baseline, args) - gathered()).abs().max().item())
                         row += f" | {ms_base:>8.3f} {ms_base / ms_kernel:>17.2f}x"
                 else:
                     row += f" {'-':>8} {'-':>8} {'-':>9}"

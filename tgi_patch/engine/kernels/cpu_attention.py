@@ -47,11 +47,12 @@ def _extension():
 
 @functools.cache
 def source_version() -> str:
-    """A short hash of the kernel's source: an engine's cost profiles timed with one version of it are not reused
-    with another (`ModelRunner.attention_kind`)."""
+    """A short hash of the kernel's source and build flags: an engine's cost profiles timed with one version of it
+    are not reused with another (`ModelRunner.attention_kind`)."""
     import hashlib
 
-    return hashlib.sha256(_source().read_bytes()).hexdigest()[:10]
+    flags = "\n".join(" ".join(group) for group in build_flags()).encode()
+    return hashlib.sha256(_source().read_bytes() + flags).hexdigest()[:10]
 
 
 def available() -> bool:
