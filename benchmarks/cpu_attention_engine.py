@@ -55,6 +55,7 @@ def main() -> None:
     engines = {"plain": SpeculativeEngine(target, None, verify=0, max_batch_size=max(concurrencies)),
                "dfly-dcut": SpeculativeEngine(target, drafter, verify="auto", max_batch_size=max(concurrencies))}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
     @contextlib.contextmanager
     def gathering():  # the drafters gather their pools, as an engine built with the reference does
         drafting = engines["dfly-dcut"].runner.batch_drafter
@@ -77,13 +78,13 @@ def main() -> None:
 
         @contextlib.contextmanager
         def baseline():  # that build in place of the kernel, and the drafters gathering their pools
-            drafting = engines["dfly-dcut"].runner.batch_drafter
-            saved = cpu_attention._extension, drafting.in_place
-            cpu_attention._extension, drafting.in_place = (lambda: built), False
+            saved = cpu_attention._extension
+            cpu_attention._extension = lambda: built
             try:
-                yield
+                with gathering():
+                    yield
             finally:
-                cpu_attention._extension, drafting.in_place = saved
+                cpu_attention._extension = saved
 
         paths["baseline"] = baseline
     closed_loop(engines["plain"], prompts[:1], 1, 1, SamplingParams(max_new_tokens=4))  # warm-up
