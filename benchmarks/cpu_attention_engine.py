@@ -69,10 +69,8 @@ def main() -> None:
     paths = {"reference": gathering, "kernel": contextlib.nullcontext}
     env = {"reference": "0", "kernel": "1", "baseline": "1"}
     if args.baseline_source is not None:
-        from angelspec_hf.cpu_kernels import compile_extension
-
-        built = compile_extension("angelspec_paged_attention_baseline", args.baseline_source.resolve(),
-                                  "the baseline CPU attention kernel", *cpu_attention.build_flags())
+        built = cpu_attention.build(args.baseline_source.resolve(), "angelspec_paged_attention_baseline",
+                                    "the baseline CPU attention kernel")
         if isinstance(built, Exception):
             raise SystemExit(f"the baseline kernel did not build: {built}")
 

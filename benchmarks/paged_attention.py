@@ -113,10 +113,8 @@ def main():
     if a.baseline_source is not None:
         if kernel is not cpu_attention.paged_attention:
             parser.error("--baseline-source: the C++ CPU kernel in fp32 only")
-        from angelspec_hf.cpu_kernels import compile_extension
-
-        built = compile_extension("angelspec_paged_attention_baseline", a.baseline_source.resolve(),
-                                  "the baseline CPU attention kernel", *cpu_attention.build_flags())
+        built = cpu_attention.build(a.baseline_source.resolve(), "angelspec_paged_attention_baseline",
+                                    "the baseline CPU attention kernel")
         if isinstance(built, Exception):
             parser.error(f"--baseline-source did not build: {built}")
         if max(a.new) > cpu_attention.MAX_NEW_TOKENS:

@@ -37,12 +37,19 @@ def build_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("-DANGELSPEC_MVEC",) if mvec else (), ("-lmvec",) if mvec else ()
 
 
+def build(source: Path | None = None, prefix: str = "angelspec_paged_attention",
+          what: str = "the CPU paged-attention kernel"):
+    """The compiled module of `source` (default: the kernel's own; another version of it for a benchmark's
+    baseline), built with the kernel's flags, or the exception that building it raised."""
+    from angelspec_hf.cpu_kernels import compile_extension
+
+    return compile_extension(prefix, source or _source(), what, *build_flags())
+
+
 @functools.cache
 def _extension():
     """The compiled module, or the exception that building it raised."""
-    from angelspec_hf.cpu_kernels import compile_extension
-
-    return compile_extension("angelspec_paged_attention", _source(), "the CPU paged-attention kernel", *build_flags())
+    return build()
 
 
 @functools.cache
