@@ -15,7 +15,8 @@ the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is rea
 of the run (its own, or its newest checkpoint's), drawn against training blocks seen, and extrapolated to τ 3 and 4
 by a least-squares fit τ = a + b·ln(blocks); the blocks needed are converted to CPU hours at the run's median logged
 `blocks_per_second`. `--blocks-before` adds the blocks the starting drafter had already seen (the shipped DFly:
-rounds 1–5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
+rounds 1–5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400). Several run folders, each run continuing the
+previous one's final drafter (`INIT=<previous>/dfly`), are read as one run and fitted together.
 
     python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 1126400 \
         --out outputs/tau-by-training          # writes tau_by_compute.json and tau_by_compute.png
@@ -127,15 +128,39 @@ def parse_earlier(spec: str) -> dict:
     return {"label": label, "blocks": int(blocks), "tau": float(tau)}
 
 
+def chained_history(run_dirs, key: str = "tau/held_out") -> list[dict]:
+    """The logs of runs that each continued the previous one's final drafter, as one run's: a later run's steps and
+    blocks counted on from the end of the runs before it (its last logged `blocks`), and its start-of-run `key`
+    (step 0, the drafter the run before it ended with, measured again) left out."""
+    history, steps, blocks = [], 0, 0
+    for i, run_dir in enumerate(run_dirs):
+        state = newest_state(run_dir)
+        log = state["log_history"]
+        for entry in log:
+            if i and key in entry and entry.get("step") == 0:
+                continue
+            entry = dict(entry, step=entry.get("step", 0) + steps)
+            if "blocks" in entry:
+                entry["blocks"] += blocks
+            history.append(entry)
+        steps += state.get("global_step", 0)
+        blocks += max((entry["blocks"] for entry in log if "blocks" in entry), default=0)
+    return history
+
+
 def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = (),
               compare: list[dict] = (), goals=(3.0, 4.0)) -> dict:
-    found = curve(newest_state(run_dir)["log_history"], blocks_before, key, goals)
+    """`run_dir`: a run folder, or a list of them where each run continued the previous one's drafter (fitted as
+    one curve, `chained_history`)."""
+    runs = [run_dir] if isinstance(run_dir, (str, Path)) else list(run_dir)
+    found = curve(chained_history(runs, key), blocks_before, key, goals)
     if found is None:
-        raise ValueError(f"{run_dir} logged {key} at fewer than two different block counts: nothing to fit")
+        raise ValueError(f"{', '.join(map(str, runs))} logged {key} at fewer than two different block counts: "
+                         "nothing to fit")
     rows, rate = found["rows"], found["blocks_per_second"]
     fit = (found["fit"]["a"], found["fit"]["b"])
     goals = {float(t): g["blocks"] for t, g in found["goals"].items()}
-    result = {"run": str(run_dir), **found, "earlier": list(earlier), "compare": list(compare),
+    result = {"run": ", ".join(map(str, runs)), **found, "earlier": list(earlier), "compare": list(compare),
               "goals": {t: {"blocks": g["blocks"], "cpu_hours": g["hours"]} for t, g in found["goals"].items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "tau_by_compute.json").write_text(json.dumps(result, indent=1))
@@ -160,8 +185,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="outputs/tau-by-training")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out")
-    parser.add_argument("--from-logs", metavar="RUN_DIR", help="read the held-out τ a training run logged; measure "
-                        "nothing")
+    parser.add_argument("--from-logs", metavar="RUN_DIR", nargs="+", help="read the held-out τ a training run "
+                        "logged; measure nothing. Several runs, each continuing the previous one's final drafter, "
+                        "are read as one (blocks and steps counted on) and fitted together")
     parser.add_argument("--blocks-before", type=int, default=0,
                         help="with --from-logs: blocks the run's starting drafter had already seen")
     parser.add_argument("--log-key", default="tau/held_out", help="with --from-logs: the logged τ to read")

@@ -229,6 +229,44 @@ def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
         script.fit_log_curve([10, 10], [1.5, 1.6])
 
 
+def test_tau_by_compute_chains_runs_that_continue_one_another(tmp_path):
+    """`--from-logs RUN RUN2`: the second run started from the first one's final drafter, so its steps and blocks
+    count on from the first's end, its start-of-run τ (the first run's last drafter again) is not a new point, and
+    one curve is fitted over both."""
+    import importlib.util
+    import json
+    import math
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "tau_by_training.py"
+    spec = importlib.util.spec_from_file_location("tau_by_training", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def run(name, points, total, start_tau):
+        history = [{"tau/held_out": start_tau, "step": 0, "blocks": 0}]
+        for step, blocks, tau in points:
+            history += [{"loss": 1.0, "step": step, "blocks": blocks, "blocks_per_second": 100.0},
+                        {"tau/held_out": tau, "step": step, "blocks": blocks}]
+        history.append({"train_runtime": 1.0, "step": points[-1][0], "blocks": total})
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": points[-1][0], "log_history": history}))
+        return folder
+
+    def tau(blocks):
+        return 1.0 + 0.25 * math.log(blocks)
+
+    first = run("first", [(100, 40_000, tau(1_040_000)), (200, 80_000, tau(1_080_000))], 80_000, tau(1_000_000))
+    second = run("second", [(100, 50_000, tau(1_130_000)), (300, 150_000, tau(1_230_000))], 150_000,
+                 tau(1_080_000) + 0.5)  # a start-of-run τ that fits nothing: it must be left out
+    result = script.from_logs([first, second], tmp_path / "out", blocks_before=1_000_000)
+    assert [(r["step"], r["blocks"]) for r in result["rows"]] == [
+        (0, 1_000_000), (100, 1_040_000), (200, 1_080_000), (300, 1_130_000), (500, 1_230_000)]
+    assert result["fit"]["a"] == pytest.approx(1.0) and result["fit"]["b"] == pytest.approx(0.25)
+    assert script.from_logs(first, tmp_path / "one", blocks_before=1_000_000)["rows"] == result["rows"][:3]
+
+
 def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
     """Under `--bf16` accelerate wraps the trained drafter's forward in bf16 autocast; the τ eval in the middle of
     such a run must still draft as inference does (fp32 on CPU), and training goes on under autocast afterwards."""
