@@ -13,7 +13,9 @@
 # shipped: +3% τ on held-out prompts). Round 5 compared, from round 4's weights, the same 2 layers against 4
 # (`INIT=outputs/release4/dfly [LAYERS=4] FAMILIES=dfly SEED=5 SHIP=0 scripts/train_release.sh 600 <out>`; LAYERS
 # grows the drafter with new layers that start as identities, see `DFlashDrafter.grow_layers`; AR_WIDTH=N widens
-# DFly's AR head the same way, `DFlyDrafter.grow_ar_head`).
+# DFly's AR head the same way, `DFlyDrafter.grow_ar_head`). Rounds 6 and 7 (shipped) continued round 5 with the CPU
+# defaults below on 2 threads: `FAMILIES=dfly SEED=62 SHIP=0 THREADS=2 DEVICE=cpu LR=1e-4 scripts/train_release.sh 1800
+# <out6>`, then `INIT=<out6>/dfly SEED=63 STATES=<out6>/target-states` and the rest the same with 2000 steps (docs/training.md).
 # FEATURES=<folder> trains on cached target features (`--feature_mode cached`, one folder per family under it, the
 # data order fixed with --dataset_seed 0 so every round's seed reads the same cache): one pass over the 8.5k code +
 # math sequences (12 GB, resumable shard by shard) took about 70 min on 2 threads, then a step costs 1.6 s
