@@ -6,7 +6,7 @@ drafts for the same prompts with the same target: greedy, whole blocks, no n-gra
 tokens, on held-out TRAIN prompts that were never regenerated (`tune_stop_threshold.held_out_prompts`, never EVAL).
 
     python scripts/tau_by_training.py --out outputs/tau-by-training \\
-        "round 1:800:git:7752a0e:drafters/smollm2-135m-instruct-dfly" ... "round 5:4400:drafters/smollm2-135m-instruct-dfly"
+        "round 1:800:git:7752a0e:drafters/smollm2-135m-instruct-dfly" ... "round 5:4400:git:4ff40e8:drafters/smollm2-135m-instruct-dfly"
 
 Writes `tau_by_training.json` and `tau_by_training.png` (τ and first-token acceptance against cumulative steps).
 
@@ -15,8 +15,9 @@ the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is rea
 of the run (its own, or its newest checkpoint's), drawn against training blocks seen, and extrapolated to τ 3 and 4
 by a least-squares fit τ = a + b·ln(blocks); the blocks needed are converted to CPU hours at the run's median logged
 `blocks_per_second`. `--blocks-before` adds the blocks the starting drafter had already seen (its config's
-`training_blocks`: the shipped DFly 2,865,774; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400). Several run folders, each run continuing the
-previous one's final drafter (`INIT=<previous>/dfly`), are read as one run and fitted together.
+`training_blocks`: the shipped DFly 2,865,774; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
+Several run folders, each run continuing the previous one's final drafter (`INIT=<previous>/dfly`), are read as one
+run and fitted together.
 
     python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 2865774 \
         --out outputs/tau-by-training          # writes tau_by_compute.json and tau_by_compute.png
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -130,21 +132,32 @@ def parse_earlier(spec: str) -> dict:
 
 def chained_history(run_dirs, key: str = "tau/held_out") -> list[dict]:
     """The logs of runs that each continued the previous one's final drafter, as one run's: a later run's steps and
-    blocks counted on from the end of the runs before it (its last logged `blocks`), and its start-of-run `key`
-    (step 0, the drafter the run before it ended with, measured again) left out."""
-    history, steps, blocks = [], 0, 0
+    blocks counted on from the end of the runs before it (its step count, and the blocks it saw: its `BlocksSeen`
+    callback's count, else its largest logged `blocks`). A later run's start-of-run `key` (step 0: the drafter the run
+    before it ended with, measured again) is left out where the run before it logged `key` at its end; a start that
+    reads more than 0.02 away from that end is reported, since the later run may not have started from it."""
+    history, steps, blocks, last = [], 0, 0, None
     for i, run_dir in enumerate(run_dirs):
         state = newest_state(run_dir)
         log = state["log_history"]
         for entry in log:
-            if i and key in entry and entry.get("step") == 0:
+            if i and key in entry and entry.get("step") == 0 and last is not None:
+                if abs(entry[key] - last[key]) > 0.02:
+                    print(f"warning: {run_dir} starts at {key} {entry[key]:.3f}, the run before it ended at "
+                          f"{last[key]:.3f}: did it start from that run's final drafter?", file=sys.stderr)
                 continue
             entry = dict(entry, step=entry.get("step", 0) + steps)
             if "blocks" in entry:
                 entry["blocks"] += blocks
             history.append(entry)
+        seen = (state.get("stateful_callbacks", {}).get("BlocksSeen", {}).get("attributes", {}).get("count")
+                or max((entry["blocks"] for entry in log if "blocks" in entry), default=0))
+        if not seen and i < len(run_dirs) - 1:
+            raise ValueError(f"{run_dir} logged no `blocks`: the runs after it cannot be placed on the blocks axis")
         steps += state.get("global_step", 0)
-        blocks += max((entry["blocks"] for entry in log if "blocks" in entry), default=0)
+        blocks += seen
+        ends = [entry for entry in history if key in entry and entry.get("blocks") == blocks]
+        last = ends[-1] if ends else None
     return history
 
 
@@ -152,7 +165,7 @@ def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out",
               compare: list[dict] = (), goals=(3.0, 4.0)) -> dict:
     """`run_dir`: a run folder, or a list of them where each run continued the previous one's drafter (fitted as
     one curve, `chained_history`)."""
-    runs = [run_dir] if isinstance(run_dir, (str, Path)) else list(run_dir)
+    runs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
     found = curve(chained_history(runs, key), blocks_before, key, goals)
     if found is None:
         raise ValueError(f"{', '.join(map(str, runs))} logged {key} at fewer than two different block counts: "

@@ -14,8 +14,9 @@
 # (`INIT=outputs/release4/dfly [LAYERS=4] FAMILIES=dfly SEED=5 SHIP=0 scripts/train_release.sh 600 <out>`; LAYERS
 # grows the drafter with new layers that start as identities, see `DFlashDrafter.grow_layers`; AR_WIDTH=N widens
 # DFly's AR head the same way, `DFlyDrafter.grow_ar_head`). Rounds 6 and 7 (shipped) continued round 5 with the CPU
-# defaults below on 2 threads: `FAMILIES=dfly SEED=62 SHIP=0 THREADS=2 DEVICE=cpu LR=1e-4 scripts/train_release.sh 1800
-# <out6>`, then `INIT=<out6>/dfly SEED=63 STATES=<out6>/target-states` and the rest the same with 2000 steps (docs/training.md).
+# defaults below on 2 threads: `INIT=<round 5> FAMILIES=dfly SEED=62 SHIP=0 THREADS=2 DEVICE=cpu LR=1e-4 scripts/train_release.sh 1800
+# <out6>`, then `INIT=<out6>/dfly SEED=63 STATES=<out6>/target-states MAX_SECONDS=4300` and the rest the same with 2000 steps
+# (docs/training.md, which says where <round 5> comes from).
 # FEATURES=<folder> trains on cached target features (`--feature_mode cached`, one folder per family under it, the
 # data order fixed with --dataset_seed 0 so every round's seed reads the same cache): one pass over the 8.5k code +
 # math sequences (12 GB, resumable shard by shard) took about 70 min on 2 threads, then a step costs 1.6 s
@@ -26,7 +27,7 @@
 # length (24% padding -> 1%), 128 anchors per sequence (114 blocks per target forward instead of 62), the target's
 # training forward on a bf16 copy with compiled decoder layers (half the fp32 forward's time; teacher argmax agrees on
 # 99.4% of positions; the τ eval and verification use the fp32 target), the drafter under bf16 autocast. No cache to
-# build first. Measured side by side, interleaved, from the shipped DFly on the same TRAIN data with 2 threads
+# build first. Measured side by side, interleaved, from DFly round 5 (shipped then) on the same TRAIN data with 2 threads
 # (`python benchmarks/train_throughput.py --threads 2 --rounds 3 --steps 4 --init drafters/smollm2-135m-instruct-dfly`,
 # nothing else running): 144.8 training blocks/s against 75.4 (1.92x), each step as long as before with twice the
 # blocks (docs/training.md). The drafter's training forward and loss compiled (--compile_drafter true), and the
@@ -37,7 +38,7 @@
 # as tau/held_out before the first step and every 250 steps, with the blocks seen so far;
 # `scripts/tau_by_training.py --from-logs <OUT>/dfly` draws and extrapolates it.
 # The CPU defaults continue the shipped drafter at a peak learning rate of 5e-5 (LR= overrides it; FAST=0 keeps
-# rounds 1-5's 5e-4): at 5e-4 the first run of this recipe from the shipped DFly fell from held-out τ 2.36 to 2.15 in
+# rounds 1-5's 5e-4): at 5e-4 the first run of this recipe from round 5 fell from held-out τ 2.36 to 2.15 in
 # 250 steps; short runs that changed one factor at a time (docs/training.md) put it on the learning rate alone, not
 # on the bf16 target states or the drafter's autocast.
 # MAX_SECONDS=N ends a run after N seconds of training with a checkpoint of its last step; rerunning the same command

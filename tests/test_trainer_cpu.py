@@ -229,7 +229,7 @@ def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
         script.fit_log_curve([10, 10], [1.5, 1.6])
 
 
-def test_tau_by_compute_chains_runs_that_continue_one_another(tmp_path):
+def test_tau_by_compute_chains_runs_that_continue_one_another(tmp_path, capsys):
     """`--from-logs RUN RUN2`: the second run started from the first one's final drafter, so its steps and blocks
     count on from the first's end, its start-of-run τ (the first run's last drafter again) is not a new point, and
     one curve is fitted over both."""
@@ -259,12 +259,18 @@ def test_tau_by_compute_chains_runs_that_continue_one_another(tmp_path):
 
     first = run("first", [(100, 40_000, tau(1_040_000)), (200, 80_000, tau(1_080_000))], 80_000, tau(1_000_000))
     second = run("second", [(100, 50_000, tau(1_130_000)), (300, 150_000, tau(1_230_000))], 150_000,
-                 tau(1_080_000) + 0.5)  # a start-of-run τ that fits nothing: it must be left out
-    result = script.from_logs([first, second], tmp_path / "out", blocks_before=1_000_000)
+                 tau(1_080_000))  # the first run's last drafter again: not a new point
+    third = run("third", [(50, 20_000, tau(1_250_000))], 20_000, tau(1_230_000))
+    result = script.from_logs([first, second, third], tmp_path / "out", blocks_before=1_000_000)
     assert [(r["step"], r["blocks"]) for r in result["rows"]] == [
-        (0, 1_000_000), (100, 1_040_000), (200, 1_080_000), (300, 1_130_000), (500, 1_230_000)]
+        (0, 1_000_000), (100, 1_040_000), (200, 1_080_000), (300, 1_130_000), (500, 1_230_000), (550, 1_250_000)]
     assert result["fit"]["a"] == pytest.approx(1.0) and result["fit"]["b"] == pytest.approx(0.25)
     assert script.from_logs(first, tmp_path / "one", blocks_before=1_000_000)["rows"] == result["rows"][:3]
+    assert "warning" not in capsys.readouterr().err
+    # a run that does not start where the one before it ended is said to, not silently joined
+    odd = run("odd", [(100, 50_000, tau(1_130_000))], 50_000, tau(1_080_000) + 0.5)
+    script.from_logs([first, odd], tmp_path / "odd-out", blocks_before=1_000_000)
+    assert "did it start from that run's final drafter" in capsys.readouterr().err
 
 
 def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
