@@ -181,18 +181,25 @@ def test_fast_recipe_resumes_to_the_step(setup, tmp_path):
     assert full.rows[9]["blocks"] > full.rows[1]["blocks"] > 0
 
 
-def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
-    """`scripts/tau_by_training.py --from-logs`: the held-out τ a run logged, against blocks seen (with the starting
-    drafter's blocks added), fitted as τ = a + b·ln(blocks) and solved for τ 3 and 4."""
+def tau_by_training_script():
+    """`scripts/tau_by_training.py` as a module (scripts are not a package)."""
     import importlib.util
-    import json
-    import math
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "tau_by_training.py"
     spec = importlib.util.spec_from_file_location("tau_by_training", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_tau_by_compute_reads_a_runs_logs_and_extrapolates(tmp_path):
+    """`scripts/tau_by_training.py --from-logs`: the held-out τ a run logged, against blocks seen (with the starting
+    drafter's blocks added), fitted as τ = a + b·ln(blocks) and solved for τ 3 and 4."""
+    import json
+    import math
+
+    script = tau_by_training_script()
     history = [{"loss": 2.0, "step": 10, "blocks": 5000, "blocks_per_second": 100.0}]
     for step, blocks in ((250, 100_000), (500, 200_000), (750, 300_000), (1000, 400_000)):
         tau = 1.0 + 0.25 * math.log(blocks + 1_000_000)
@@ -233,15 +240,10 @@ def test_tau_by_compute_chains_runs_that_continue_one_another(tmp_path, capsys):
     """`--from-logs RUN RUN2`: the second run started from the first one's final drafter, so its steps and blocks
     count on from the first's end, its start-of-run τ (the first run's last drafter again) is not a new point, and
     one curve is fitted over both."""
-    import importlib.util
     import json
     import math
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "tau_by_training.py"
-    spec = importlib.util.spec_from_file_location("tau_by_training", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tau_by_training_script()
 
     def run(name, points, total, start_tau):
         history = [{"tau/held_out": start_tau, "step": 0, "blocks": 0}]
