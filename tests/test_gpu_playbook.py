@@ -86,6 +86,11 @@ def test_the_payload_folders_hold_the_calls_and_the_manifest(payload):
             assert len(data) == piece["size"] and hashlib.sha256(data).hexdigest() == piece["sha256"]
     for item, src in zip(manifest["items"], sources):
         assert item["sha256"] == hashlib.sha256(Path(src["path"]).read_bytes()).hexdigest()
+    # the plan: the staging calls, the playbook's call last, then the fp32 bench on the warm machine
+    subprocess.run(["git", "init", "-q", str(tmp_path / "tree")], check=True)
+    text, ok = stage.plan_text(manifest, out, repo=tmp_path / "tree", limit=10 * 1024 * 1024)
+    assert ok and "call 4/4" in text and "command: bash scripts/gpu/playbook.sh" in text
+    assert text.index("command: bash scripts/gpu/playbook.sh") < text.index(stage.FP32_BENCH_COMMAND)
 
 
 def test_unpack_reports_missing_calls_then_rebuilds_every_item(payload):
@@ -331,12 +336,15 @@ def test_the_playbook_refuses_bad_families_and_warns_when_the_budgets_overrun(tm
     # run then stops at unpack, which refuses a git checkout)
     run = subprocess.run(["bash", script], env=env | {"PLAYBOOK_TRAIN_FAMILIES": "mtp,dflash dfly"},
                          capture_output=True, text=True)
-    assert "WARNING" in run.stdout and "745s" in run.stdout  # 60 + 60 + 45 + 2 x (50 + 60) + 3 x 120
+    assert "WARNING" in run.stdout and "725s" in run.stdout  # 60 + 60 + 45 + (50 + 60) + 3 x 150
     assert 'PLAYBOOK_PARTS=train PLAYBOOK_TRAIN_FAMILIES="dfly dflash mtp" PLAYBOOK_BUDGET_TRAIN=450' in run.stdout
     assert stage.TRAIN_COMMAND.startswith('PLAYBOOK_PARTS=train PLAYBOOK_TRAIN_FAMILIES="dfly dflash mtp" '
                                           "PLAYBOOK_BUDGET_TRAIN=450 ")  # what `plan` prints
+    assert stage.FP32_BENCH_COMMAND.startswith("PLAYBOOK_PARTS=bench PLAYBOOK_BENCH_DTYPES=fp32 ")
     run = subprocess.run(["bash", script], env=env, capture_output=True, text=True)
-    assert "WARNING" not in run.stdout  # the default call fits
+    # the default call fits: training (DFly, 240 s), then the tests and the bf16 bench
+    assert "WARNING" not in run.stdout and "515s planned" in run.stdout  # 60 + 240 + 60 + 45 + 50 + 60
+    assert "parts train,tests,bench" in run.stdout
 
 
 # ------------------------------------------------------------------------------ the train part, rehearsed on CPU

@@ -2,12 +2,9 @@
 # The GPU machine's runs, in one command (the last call of the plan `scripts/gpu/stage.py pack` prints):
 #   bash scripts/gpu/playbook.sh
 # It finishes the stage (`stage.py unpack`: stops, saying which calls are missing, when the stage is incomplete), then
-# runs the parts named in PLAYBOOK_PARTS, in this order, each under its own time budget (`timeout`), writing to $OUT
-# as it goes (a part cut short, or a call killed at its limit, keeps what had finished):
-#   tests  `pytest -m gpu` on the test files that carry the marker, then
-#          `benchmarks/paged_attention.py` (kernel vs gather + SDPA)            -> gpu_tests.txt
-#   bench  `angelspec bench` at batch 1 and `--concurrency` (the batched engine),
-#          real target, shipped drafters, per dtype in PLAYBOOK_BENCH_DTYPES       -> bench.log, bench.tar.gz
+# runs the parts named in PLAYBOOK_PARTS, always in this order (training first: trained drafters are what the
+# machine's scarce time buys most of; the measurements after it), each under its own time budget (`timeout`), writing
+# to $OUT as it goes (a part cut short, or a call killed at its limit, keeps what had finished):
 #   train  the drafter families in PLAYBOOK_TRAIN_FAMILIES, one after another (dfly, dflash, mtp), each from the
 #          shipped weights or, where the stage holds a previous GPU period's result (`stage.py pack --init-from`),
 #          from that; online target features, GPU-sized batches, stopped by --max_train_seconds at its share of
@@ -18,29 +15,36 @@
 #          makes (DFlash with --full-vocab) plus trainer_state.json and gpu_training.json (this and every
 #          earlier GPU period: steps, blocks, seconds, device, held-out τ); all of them in one tar.gz, split in
 #          15 MiB files and rewritten after each family                          -> train.log, train.tar.gz.000, ...
+#   tests  `pytest -m gpu` on the test files that carry the marker, then
+#          `benchmarks/paged_attention.py` (kernel vs gather + SDPA)            -> gpu_tests.txt
+#   bench  `angelspec bench` at batch 1 and `--concurrency` (the batched engine),
+#          real target, shipped drafters, per dtype in PLAYBOOK_BENCH_DTYPES       -> bench.log, bench.tar.gz
 # plus playbook.log (environment, timings, each part's status and tables). With every part and three families $OUT
 # gets 8 files of <= 16 MiB (3 train pieces: ~42 MiB of fp16 drafters, gzip'd); over 8 (what the device returns),
 # the playbook says so loudly and at its end folds the text logs into logs.tar.gz. What comes back, and where it goes
 # in the repository (`stage.py receive`): docs/gpu.md.
 #
 # Environment (defaults in brackets):
-#   PLAYBOOK_PARTS [tests,bench,train]   PLAYBOOK_DEVICE [cuda]   PLAYBOOK_SMOKE [0: 1 = a few tokens, 2 steps]
+#   PLAYBOOK_PARTS [train,tests,bench]   PLAYBOOK_DEVICE [cuda]   PLAYBOOK_SMOKE [0: 1 = a few tokens, 2 steps]
 #   PLAYBOOK_BUDGET_TESTS [60]  PLAYBOOK_BUDGET_KERNELS [45]  PLAYBOOK_BUDGET_B1 [50]  PLAYBOOK_BUDGET_BATCHED [60] (each, per dtype)
 #   PLAYBOOK_TRAIN_FAMILIES [dfly] (any of dfly dflash mtp, spaces or commas)
-#   PLAYBOOK_BUDGET_TRAIN [120 a family] (the whole part; each family gets its share of what is left when it starts,
-#     and trains for that less PLAYBOOK_TRAIN_RESERVE [60] for loading the data, the final eval and shipping; a share
-#     that leaves under 10 s is not run)   PLAYBOOK_TRAIN_SHARES [equal] e.g. "dfly=2,dflash=2,mtp=1"
-#   PLAYBOOK_TRAIN_STEPS [600] (the cosine schedule's length)  PLAYBOOK_TRAIN_LR [3e-4]  PLAYBOOK_TRAIN_SEED [the
-#     period: 1 + the periods the previous results recorded]  PLAYBOOK_INIT_DIR [$PLAYBOOK_STAGE/init] (where
-#     <family>-gpu/ previous results are looked for; on a warm machine, $PLAYBOOK_WORK/train-previous continues from
-#     the last call's result)
-#   PLAYBOOK_BENCH_DTYPES [bf16,fp32]  PLAYBOOK_CALL_LIMIT [540] (the planned budgets are checked against it)
+#   PLAYBOOK_BUDGET_TRAIN [240 for one family, 150 a family for more] (the whole part; each family gets its share
+#     of what is left when it starts, and trains for that less PLAYBOOK_TRAIN_RESERVE [60] for loading the data, the
+#     final eval and shipping; a share that leaves under 10 s is not run)
+#   PLAYBOOK_TRAIN_SHARES [equal] e.g. "dfly=2,dflash=2,mtp=1"
+#   PLAYBOOK_TRAIN_STEPS [4000] (at most this many steps: the fitted cosine ends where the time does, before it)
+#   PLAYBOOK_TRAIN_LR [3e-4]  PLAYBOOK_TRAIN_SEED [the period: 1 + the periods the previous results recorded]
+#   PLAYBOOK_INIT_DIR [$PLAYBOOK_STAGE/init] (where <family>-gpu/ previous results are looked for; on a warm
+#     machine, $PLAYBOOK_WORK/train-previous continues from the last call's result)
+#   PLAYBOOK_BENCH_DTYPES [bf16]  PLAYBOOK_CALL_LIMIT [540] (the planned budgets are checked against it)
 #   PLAYBOOK_B1_ARGS / PLAYBOOK_BATCHED_ARGS / PLAYBOOK_TRAIN_ARGS (every family) / PLAYBOOK_TRAIN_ARGS_DFLY (DFly and
 #     DFlash) / PLAYBOOK_TRAIN_ARGS_DFLASH / PLAYBOOK_TRAIN_ARGS_MTP: extra flags, appended (a later flag wins)
 #   PLAYBOOK_STAGE [/tmp/angelspec-stage]  PLAYBOOK_SITE [/tmp/angelspec-site]  PLAYBOOK_WORK [/tmp/angelspec-work]
 #   PLAYBOOK_PYTHON [python3]  PLAYBOOK_UNPACK_ARGS []  OUT [outputs/gpu-playbook, where no $OUT is set]
-# Defaults: ~60 s of setup + 60 + 45 + 2 x (50 + 60) + 120 s of parts ~ 8.4 min: give the call timeout_s 540. Three
-# families do not fit beside the tests and the bench; a training call:
+# Defaults: ~60 s of setup + 240 (DFly: 180 s of training) + 60 + 45 + 50 + 60 s of parts ~ 8.6 min: give the call
+# timeout_s 540. fp32's bench is a call of its own on the warm machine (the stage stays in /tmp; carry nothing):
+#   PLAYBOOK_PARTS=bench PLAYBOOK_BENCH_DTYPES=fp32 bash scripts/gpu/playbook.sh      (~60 + 110 s: timeout_s 240)
+# Three families do not fit beside the tests and the bench; a training call:
 #   PLAYBOOK_PARTS=train PLAYBOOK_TRAIN_FAMILIES="dfly dflash mtp" PLAYBOOK_BUDGET_TRAIN=450 bash scripts/gpu/playbook.sh
 # ~60 s of setup + 3 x 150 s (90 s of training each) ~ 8.5 min, also timeout_s 540.
 set -uo pipefail
@@ -51,7 +55,7 @@ PY=${PLAYBOOK_PYTHON:-python3}
 STAGE=${PLAYBOOK_STAGE:-/tmp/angelspec-stage}
 SITE=${PLAYBOOK_SITE:-/tmp/angelspec-site}
 WORK=${PLAYBOOK_WORK:-/tmp/angelspec-work}
-PARTS=${PLAYBOOK_PARTS:-tests,bench,train}
+PARTS=${PLAYBOOK_PARTS:-train,tests,bench}
 DEVICE=${PLAYBOOK_DEVICE:-cuda}
 SMOKE=${PLAYBOOK_SMOKE:-0}
 B_TESTS=${PLAYBOOK_BUDGET_TESTS:-60}
@@ -59,11 +63,11 @@ B_KERNELS=${PLAYBOOK_BUDGET_KERNELS:-45}
 B_B1=${PLAYBOOK_BUDGET_B1:-50}
 B_BATCHED=${PLAYBOOK_BUDGET_BATCHED:-60}
 TRAIN_RESERVE=${PLAYBOOK_TRAIN_RESERVE:-60}
-TRAIN_STEPS=${PLAYBOOK_TRAIN_STEPS:-600}
+TRAIN_STEPS=${PLAYBOOK_TRAIN_STEPS:-4000}
 TRAIN_LR=${PLAYBOOK_TRAIN_LR:-3e-4}
 MIN_TRAIN=10
 INIT_DIR=${PLAYBOOK_INIT_DIR:-$STAGE/init}
-BENCH_DTYPES=${PLAYBOOK_BENCH_DTYPES:-bf16,fp32}
+BENCH_DTYPES=${PLAYBOOK_BENCH_DTYPES:-bf16}
 CALL_LIMIT=${PLAYBOOK_CALL_LIMIT:-540}
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/playbook.log
@@ -86,7 +90,8 @@ for pair in ${shares//,/ }; do
   fi
   WEIGHT[$f]=$w
 done
-B_TRAIN=${PLAYBOOK_BUDGET_TRAIN:-$((120 * ${#FAMILIES[@]}))}
+default_train=240; [ ${#FAMILIES[@]} -gt 1 ] && default_train=$((150 * ${#FAMILIES[@]}))
+B_TRAIN=${PLAYBOOK_BUDGET_TRAIN:-$default_train}
 wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 # run_timed NAME BUDGET LOGFILE CMD...: CMD under `timeout`, its output appended to LOGFILE; records the status
 run_timed() {
@@ -109,6 +114,7 @@ planned=60
 wanted tests && planned=$((planned + B_TESTS + B_KERNELS))
 wanted bench && for dtype in ${BENCH_DTYPES//,/ }; do planned=$((planned + B_B1 + B_BATCHED)); done
 wanted train && planned=$((planned + B_TRAIN))
+log "budgets: ${planned}s planned, setup included, of the call's ${CALL_LIMIT}s"
 if [ "$planned" -gt "$CALL_LIMIT" ]; then
   log "!!! WARNING: the parts' budgets and ~60 s of setup add up to ${planned}s, over the call's ${CALL_LIMIT}s: the" \
       "call may be killed before the last part ends. Run training as its own call (docs/gpu.md): PLAYBOOK_PARTS=train" \
@@ -149,7 +155,7 @@ tail -n 3 "$LOG"
 run_timed "target load" 180 "$LOG" $PY -c "import time, angelspec_hf; t = time.time(); angelspec_hf.load_default_target(); print(f'target loaded and cached in {time.time() - t:.1f} s')"
 
 # ------------------------------------------------------------------------------------------------------- tests
-if wanted tests; then
+part_tests() {
   mapfile -t files < <(grep -l "mark\.gpu" tests/test_*.py)
   run_timed tests "$B_TESTS" "$OUT/gpu_tests.txt" $PY -m pytest -m gpu -q -rs -p no:cacheprovider \
     --continue-on-collection-errors "${files[@]:-tests}"
@@ -159,10 +165,10 @@ if wanted tests; then
   run_timed attention_bench "$B_KERNELS" "$OUT/gpu_tests.txt" $PY benchmarks/paged_attention.py \
     --device "$DEVICE" "${SIZES[@]}"
   tail -n 40 "$OUT/gpu_tests.txt" | grep "|" | tee -a "$LOG"
-fi
+}
 
 # ------------------------------------------------------------------------------------------------------- bench
-if wanted bench; then
+part_bench() {
   if [ "$SMOKE" = 1 ]; then
     B1=(--methods ar,dfly --sets gsm8k --prompts-per-set 1 --temperatures 0 --max-new-tokens 8)
     BATCHED=(--methods ar,dfly --concurrency 1,2 --fixed-depths 3 --requests-per-client 1 --max-new-tokens 8
@@ -188,12 +194,12 @@ if wanted bench; then
       (cd "$WORK" && tar -czf "$OUT/bench.tar.gz" bench_* 2>/dev/null)  # everything so far, rewritten each time
     done
   done
-fi
+}
 
 # ------------------------------------------------------------------------------------------------------- train
 # one family after another, in the order dfly, dflash, mtp (DFlash matches the steps DFly made); each gets its share
 # of what is left of the train budget, and a share below the reserve + MIN_TRAIN seconds is not run
-if wanted train; then
+part_train() {
   train_start=$SECONDS
   # a warm machine's previous result stays readable: PLAYBOOK_INIT_DIR=$WORK/train-previous continues from it
   if [ -d "$WORK/train/ship" ]; then rm -rf "$WORK/train-previous"; mv "$WORK/train/ship" "$WORK/train-previous"; fi
@@ -286,7 +292,10 @@ if wanted train; then
     # every family shipped so far, rewritten after each: a call cut short still returns the finished ones
     $PY "${RESULTS[@]}" pack-out "$WORK/train/ship" "$OUT" 2>&1 | tee -a "$LOG"
   done
-fi
+}
+
+# training first (the drafters are what the machine's time buys most of), then the measurements
+for part in train tests bench; do wanted $part && part_$part; done
 
 # ----------------------------------------------------------------------------------------------------- summary
 log "done in ${SECONDS}s"

@@ -64,6 +64,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the last call's other command line (docs/gpu.md): a train-only call, the three drafter families in turn
 TRAIN_COMMAND = ('PLAYBOOK_PARTS=train PLAYBOOK_TRAIN_FAMILIES="dfly dflash mtp" PLAYBOOK_BUDGET_TRAIN=450 '
                  "bash scripts/gpu/playbook.sh")
+# after the playbook's call, on the warm machine: the bench in fp32 (the playbook's default call benches bf16)
+FP32_BENCH_COMMAND = "PLAYBOOK_PARTS=bench PLAYBOOK_BENCH_DTYPES=fp32 bash scripts/gpu/playbook.sh"
 CHUNK = 8 * MIB
 EXIT_INCOMPLETE = 3
 
@@ -201,12 +203,14 @@ def plan_text(manifest: dict, payload: Path, repo=REPO, limit: int = DEVICE_LIMI
         ok &= tree + size <= limit
         command = ("bash scripts/gpu/playbook.sh" if last
                    else "python3 scripts/gpu/stage.py unpack")
-        timeout = "540 (the playbook's default budgets: ~8.4 min)" if last else "120"
+        timeout = "540 (the playbook's default budgets: ~8.6 min)" if last else "120"
         lines += [f"call {k}/{manifest['calls']}: carry [\"{rel}/call{k}\"]  ({_mib(size)}; tree + carry "
                   f"{_mib(tree + size)}{'' if tree + size <= limit else ' OVER THE LIMIT'})",
                   f"  command: {command}", f"  timeout_s: {timeout}"]
         if last:
             lines.append(f"  or, for a training period (every family, no tests or bench): {TRAIN_COMMAND}")
+            lines.append(f"then, on the warm machine if device time is left: carry []  command: {FP32_BENCH_COMMAND}"
+                         "  timeout_s: 240")
     if inits:
         lines.append(f"the train part starts {', '.join(sorted(inits))} from the previous GPU results carried in this "
                      "pack")
