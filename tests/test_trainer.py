@@ -140,6 +140,38 @@ def test_loss_goes_down(setup, tmp_path, family, loss_kind, pruned):
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, " ".join(f"{x:.2f}" for x in losses)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["dfly", "mtp_eagle3"])
+def test_training_on_cuda_with_a_bf16_target(setup, tmp_path, family):
+    """The GPU playbook's recipe: the frozen target in bf16 on CUDA, the fp32 drafter under bf16 autocast, CE + KL over
+    a pruned draft vocabulary. The loss goes down as on the CPU (the CPU twin: `test_loss_goes_down`), the student's
+    logits over the draft vocabulary are float32 (the pruned head is kept in float32 beside a bf16 target), and the
+    training's τ eval drafts with the trained fp32 drafter beside the bf16 target on the device."""
+    import copy
+
+    from angelspec_hf.trainer.evaluation import measure_acceptance
+
+    target, tokenizer, folder = setup
+    gpu_target = copy.deepcopy(target).to("cuda", torch.bfloat16)
+    drafter = make_drafter(family, target)
+    replies = {t for ex in load_regenerated(tokenizer, folder, ["gsm8k"]) for t, s in
+               zip(ex["input_ids"], ex["supervised"]) if s}
+    drafter.set_draft_vocab(sorted(replies | set(range(500))))
+    log = LossLog()
+    args = make_args(tmp_path, family.removesuffix("_eagle3"), folder, max_steps=30, learning_rate=1e-2,
+                     loss_kind="ce+kl", use_cpu=False, bf16=True)
+    trainer = train((gpu_target, tokenizer, folder), args, drafter, [log])
+    losses = [log.losses[s] for s in sorted(log.losses)]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, " ".join(f"{x:.2f}" for x in losses)
+    head, _ = trainer.training_head()
+    assert head.weight.device.type == "cuda" and head.weight.dtype == torch.float32
+    trained = trainer.model.eval()
+    assert next(trained.parameters()).device.type == "cuda" and trained.dtype == torch.float32
+    result = measure_acceptance(gpu_target, trained, tokenizer, ["What is 12 * 13?"], max_new_tokens=16)
+    assert result["rounds"] > 0
+
+
 class StopAt(TrainerCallback):
     def __init__(self, step):
         self.step = step

@@ -12,6 +12,7 @@ cached) are computed on the training device, the target in `--dtype` (auto: floa
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from transformers.hf_argparser import string_to_bool
 
 from angelspec_hf.devices import DeviceError, resolve_device, resolve_dtype
 from angelspec_hf.policy.corpus import CorpusIndex
+from angelspec_hf.policy.costs import clock
 
 from .arguments import DrafterTrainingArguments
 
@@ -184,7 +186,7 @@ def train(margs: ModelArguments, args: DrafterTrainingArguments):
                              data_collator=DrafterCollator(tokenizer.pad_token_id))
     trainer.base_model_id = margs.target or EMBEDDED_TARGET_ID
     if args.max_train_seconds:
-        trainer.add_callback(TimeLimit(args.max_train_seconds))
+        trainer.add_callback(TimeLimit(args.max_train_seconds, clock=functools.partial(clock, args.device)))
     if args.stop_at_step:
         trainer.add_callback(StepLimit(args.stop_at_step))
     callback = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 
 import torch
@@ -15,6 +16,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 
 from angelspec_hf.modeling.drafter_utils import additive_mask
+from angelspec_hf.policy.costs import clock
 
 from .block_attention import block_training_attention
 from .features import StatesStore, target_states
@@ -102,12 +104,13 @@ def pack_blocks(input_ids, supervised, attention_mask, example_index, num_anchor
     n, length = input_ids.shape
     device = input_ids.device
     anchors, anchor_ok = [], []
+    host_supervised, host_examples = supervised.cpu(), example_index.tolist()  # one copy from the device, not 2 a row
     for row in range(n):
-        key = int(seed) * 1_000_003 + int(example_index[row])
+        key = int(seed) * 1_000_003 + int(host_examples[row])
         if step is not None:
             key += (int(step) + 1) * 1_000_000_007
         gen = torch.Generator().manual_seed(key)
-        a, ok = sample_anchors(supervised[row].cpu(), num_anchors, gen)
+        a, ok = sample_anchors(host_supervised[row], num_anchors, gen)
         anchors.append(a)
         anchor_ok.append(ok)
     anchors, anchor_ok = torch.stack(anchors), torch.stack(anchor_ok)  # [N, num_anchors], real anchors first
@@ -173,8 +176,10 @@ class DrafterTrainer(Trainer):
         self._last_log = None  # (time, blocks) at the previous log
         self.fitted_schedule = None
         if self.args.fit_schedule_to_time:
+            # the clock waits for the device's queued work: on CUDA a step's end is not its kernels' end
             self.fitted_schedule = FittedSchedule(self.args.max_train_seconds, int(self.args.warmup_steps),
-                                                  int(self.args.eval_steps or 0) or None)
+                                                  int(self.args.eval_steps or 0) or None,
+                                                  clock=functools.partial(clock, self.args.device))
             if self.accelerator.num_processes > 1:
                 from accelerate.utils import broadcast_object_list
 
@@ -241,7 +246,9 @@ class DrafterTrainer(Trainer):
                 ids = ids.to(lm_head.weight.device)
                 index = torch.full((lm_head.weight.shape[0],), -100, dtype=torch.long, device=ids.device)
                 index[ids] = torch.arange(len(ids), device=ids.device)
-                self._train_head = (_RowsHead(lm_head.weight.detach()[ids]), index)
+                # in float32 whatever the target's dtype (a bf16 target on a GPU): the student's logits and the loss
+                # stay in float32, as with the float32 target of the CPU recipes (8,192 rows: a few MB)
+                self._train_head = (_RowsHead(lm_head.weight.detach()[ids].float()), index)
         return self._train_head
 
     def teacher_head(self):
