@@ -26,9 +26,10 @@ $(DEMO): $(TORCH) pyproject.toml
 	touch $@
 
 # The shipped drafters, into the local HF cache under their Hub ids (angelspec-hf/smollm2-135m-instruct-*), where the
-# package finds them offline as an installed copy would; again whenever drafters/ changes. No network. Their weights
-# are git blobs listed in drafters/weights.json: install-drafters first writes the missing or changed ones from git.
-$(DRAFTERS): $(DEMO) $(wildcard drafters/*/*) $(wildcard drafters/weights.json)
+# package finds them offline as an installed copy would; again whenever drafters/ or the regenerated replies their
+# lookup corpus is built from change. No network. Their weights are git blobs listed in drafters/weights.json:
+# install-drafters first writes the missing or changed ones from git.
+$(DRAFTERS): $(DEMO) $(wildcard drafters/*/*) $(wildcard drafters/weights.json) $(wildcard data/regenerated/*/*)
 	$(BIN)/angelspec install-drafters --from drafters
 	touch $@
 
