@@ -3,7 +3,7 @@
 # trainer on data/regenerated/. Each round continues from the drafters shipped now, on code + math data, over DFly's
 # pruned 8,192-token draft vocabulary, with 64 anchors per sequence redrawn every step (seeded by SEED, step and
 # example, so a resumed run draws what the uninterrupted one would) and hard-label CE + KL to the target's logits
-# (online target states: the 11.5k-sequence set is read once, not cached). Round 2 trained dfly and dflash side by side
+# (online target states: the regenerated set is read once, not cached). Round 2 trained dfly and dflash side by side
 # (one thread each, identical data, steps, batch and seed: `FAMILIES="dfly dflash" SEED=0 scripts/train_release.sh
 # 1000`); round 3 continued DFly alone (`FAMILIES=dfly SEED=3 scripts/train_release.sh 1000 outputs/release3`).
 # Rerunning the script continues each run from its last checkpoint. Then each run is written as fp16 to drafters/

@@ -144,8 +144,8 @@ def test_loss_goes_down(setup, tmp_path, family, loss_kind, pruned):
 @pytest.mark.parametrize("family", ["dfly", "mtp_eagle3"])
 def test_training_on_cuda_with_a_bf16_target(setup, tmp_path, family):
     """The GPU playbook's recipe: the frozen target in bf16 on CUDA, the fp32 drafter under bf16 autocast, CE + KL over
-    a pruned draft vocabulary. The loss goes down as on the CPU (the CPU twin: `test_loss_goes_down`), the student's
-    logits over the draft vocabulary are float32 (the pruned head is kept in float32 beside a bf16 target), and the
+    a pruned draft vocabulary. The loss goes down as on the CPU (the CPU twin: `test_loss_goes_down`), the pruned head
+    the student's logits come from is float32 on the device (not the bf16 target's rows), and the
     training's τ eval drafts with the trained fp32 drafter beside the bf16 target on the device."""
     import copy
 

@@ -19,7 +19,7 @@ deterministic function of the context, so verifying it is exact at any temperatu
 A corpus travels with its drafter: `save` writes `lookup_corpus.safetensors` (`LOOKUP_CORPUS_FILE`: the token ids and
 each sequence's length, no code, no pickle) into a drafter's Hub folder, and `angelspec_hf.load_drafter` /
 `from_pretrained` attach the one a folder or Hub repository holds as `drafter.lookup_corpus`. The suffix array is not
-stored: it is built on the first lookup or by `warm()` (about a second for the embedded target's 2.0M tokens).
+stored: it is built on the first lookup or by `warm()` (about a second for the embedded target's 2.3M tokens).
 `GrowingCorpus` adds a window of the replies a server has served since.
 """
 
@@ -41,7 +41,7 @@ class CorpusIndex:
     continuation crosses from one into the next). `max_match`: the longest context suffix looked for; `min_match`:
     the shortest that proposes anything; `full_match`: the matched length at which a match counts as full evidence
     (see the module docstring). The suffix array is built on the first lookup: about a second over the embedded
-    target's 2.0M regenerated tokens."""
+    target's 2.3M regenerated tokens."""
 
     def __init__(self, sequences: Iterable[Sequence[int]], max_match: int = 32, min_match: int = 2,
                  full_match: int = 8):
