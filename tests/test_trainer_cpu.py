@@ -303,7 +303,7 @@ def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
 def test_states_store_fills_as_training_reads_and_reads_back(setup, tmp_path):
     """`--feature_mode filling`: a sequence's states are computed and written the first time it is read, read back
     unchanged after (bf16 stays bf16); a batch mixing stored and new sequences gives what the target gives; the
-    store is keyed by target and layers; an unreadable file is computed again; a store it cannot write to leaves
+    store is keyed by target and layers (the same weights from another folder find it, other weights do not); an unreadable file is computed again; a store it cannot write to leaves
     training running online."""
     from angelspec_hf.trainer.features import StatesStore
 
@@ -333,6 +333,12 @@ def test_states_store_fills_as_training_reads_and_reads_back(setup, tmp_path):
     other = StatesStore(tmp_path / "store", states_target, [0, *layers], final=True)
     assert other.folder != store.folder and StatesStore(tmp_path / "store", states_target, layers, True).folder == \
         store.folder
+    moved = copy.deepcopy(states_target)
+    moved.config._name_or_path = "/another/cache/SmolLM2-135M-Instruct"
+    assert StatesStore(tmp_path / "store", moved, layers, True).folder == store.folder
+    with torch.no_grad():
+        moved.model.norm.weight.mul_(1.5)
+    assert StatesStore(tmp_path / "store", moved, layers, True).folder != store.folder
     row = mixed["input_ids"][1, : int(mixed["attention_mask"][1].sum())].tolist()
     store.path(row).write_bytes(b"not a safetensors file")
     assert torch.equal(store.states(states_target, mixed["input_ids"], mixed["attention_mask"])[0], features)

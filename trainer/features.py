@@ -30,6 +30,13 @@ def target_states(target, input_ids, attention_mask, layer_ids, final: bool = Fa
     return features, (out.last_hidden_state if final else None)
 
 
+def _weights_checksum(model) -> float:
+    """A checksum of the model's weights (every parameter's absolute sum, in float64): two loads of the same weights
+    agree, another fine-tune or another dtype does not."""
+    with torch.no_grad():
+        return round(sum(float(p.detach().double().abs().sum()) for p in model.parameters()), 3)
+
+
 class StatesStore:
     """Target states per training sequence on disk, filled as training reads them (`--feature_mode filling`).
 
@@ -37,17 +44,22 @@ class StatesStore:
     device and in its dtype) and written to `folder` as one safetensors file named by a hash of its token ids; every
     later read of that sequence (the next epochs) loads the file instead of running the target. Nothing is computed
     before training starts, the states are stored exactly as computed (bf16 stays bf16), and the store is keyed by the
-    target (name, dtype, a fingerprint of its weights), the layers and whether final states are kept: another key is
+    target (architecture, dtype, a checksum of all its weights, not the folder it was loaded from), the layers and whether final states are kept: another key is
     another subfolder, so a store is never read for a target or layers it was not written by. Files appear whole (written
     under a temporary name, then renamed), so a killed run leaves no partial file; a write that fails (a full disk) is
     reported once and training continues online. Batches must be right-padded (`DrafterCollator`)."""
 
     def __init__(self, folder, target, layer_ids, final: bool = False):
         weights = target.get_input_embeddings().weight.detach()
-        key = {"target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+        config = target.config
+        # The target by what it is (architecture, size, dtype, a checksum of its weights), not where it was loaded
+        # from: the same target read from another folder (another cache, another machine) finds its store again.
+        key = {"target": getattr(config, "model_type", "") or type(target).__name__,
+               "layers": int(getattr(config, "num_hidden_layers", 0) or 0),
+               "hidden_size": int(getattr(config, "hidden_size", 0) or 0),
                "dtype": str(weights.dtype).removeprefix("torch."), "layer_ids": [int(i) for i in layer_ids],
                "final": bool(final), "vocab": int(weights.shape[0]),
-               "embedding_checksum": round(float(weights[:64].double().abs().sum()), 6)}
+               "weights_checksum": _weights_checksum(target)}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.folder = Path(folder) / f"states-{digest}"
         self.folder.mkdir(parents=True, exist_ok=True)
