@@ -8,7 +8,9 @@ tokens, on held-out TRAIN prompts that were never regenerated (`tune_stop_thresh
     python scripts/tau_by_training.py --out outputs/tau-by-training \\
         "round 1:800:git:7752a0e:drafters/smollm2-135m-instruct-dfly" ... "round 5:4400:git:4ff40e8:drafters/smollm2-135m-instruct-dfly"
 
-Writes `tau_by_training.json` and `tau_by_training.png` (τ and first-token acceptance against cumulative steps).
+Writes `tau_by_training.json` and `tau_by_training.png` (τ and first-token acceptance against cumulative steps). Every
+checkpoint after the first is also compared with the first on the same prompts: its τ ratio with a 95% interval from
+a paired bootstrap over prompts (`vs_first`; a drafter ships only where the low end is above 1).
 
 With `--from-logs RUN_DIR`, nothing is measured: the held-out τ a training run logged (`--eval_prompts_from held_out`,
 the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is read from the newest `trainer_state.json`
@@ -41,7 +43,7 @@ import angelspec_hf  # noqa: E402
 from angelspec_hf.shipped import drafter_for_target  # noqa: E402
 from angelspec_hf.trainer.compute_curve import (  # noqa: E402,F401 (blocks_for, fit_log_curve: for the tests)
     blocks_for, curve, fit_log_curve, plot_compute)
-from angelspec_hf.trainer.evaluation import measure_acceptance  # noqa: E402
+from angelspec_hf.trainer.evaluation import measure_acceptance, paired_tau_ratio  # noqa: E402
 from angelspec_hf.weights_store import MANIFEST, WeightFile, write_blob  # noqa: E402
 from tune_stop_threshold import held_out_prompts  # noqa: E402
 
@@ -232,9 +234,15 @@ def main(argv=None) -> int:
         for label, steps, source in map(parse_checkpoint, args.checkpoints):
             drafter = drafter_for_target(str(materialise(source, Path(scratch))), target)
             r = measure_acceptance(target, drafter, tokenizer, prompts, args.max_new_tokens)
-            rows.append({"label": label, "steps": steps, "source": source, **r})
-            print(f"{label:>24}  steps {steps:>5}  τ {r['tau']:.3f}  first {r['first']:.3f}  ({r['rounds']} rounds)",
-                  flush=True)
+            row = {"label": label, "steps": steps, "source": source, **r}
+            against = ""
+            if rows:  # paired with the first checkpoint, on the same prompts
+                row["vs_first"] = paired_tau_ratio(rows[0]["per_prompt"], r["per_prompt"])
+                against = (f"  τ {row['vs_first']['ratio']:.3f}x {rows[0]['label']}'s (95% "
+                           f"{row['vs_first']['low']:.3f}-{row['vs_first']['high']:.3f}, paired over prompts)")
+            rows.append(row)
+            print(f"{label:>24}  steps {steps:>5}  τ {r['tau']:.3f}  first {r['first']:.3f}  ({r['rounds']} rounds)"
+                  + against, flush=True)
     setting = {"sets": args.sets, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "threads": args.threads, "decoding": "greedy, whole blocks, no lookups"}
     (out / "tau_by_training.json").write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))

@@ -307,9 +307,12 @@ def test_measured_acceptance_is_the_drafters_own(setup):
     drafter = make_drafter("dfly", target).eval()
     drafter.config.lookup_tokens, drafter.config.draft_length = 10, "auto"
     prompt = "Repeat after me: one two three, one two three, one two three, one two three."
-    result = measure_acceptance(target, drafter, tokenizer, [prompt], max_new_tokens=24)
+    result = measure_acceptance(target, drafter, tokenizer, [prompt, "Count to five."], max_new_tokens=24)
     stats = drafter.last_speculation_stats
-    assert stats.lookup_rounds == 0 and stats.plain_steps == 0 and result["rounds"] == stats.rounds > 0
+    assert stats.lookup_rounds == 0 and stats.plain_steps == 0 and result["per_prompt"][-1][1] == stats.rounds > 0
+    accepted, rounds, first = (sum(column) for column in zip(*result["per_prompt"]))  # the per-prompt counts pool
+    assert rounds == result["rounds"] and result["tau"] == (accepted + rounds) / rounds
+    assert result["first"] == first / rounds and len(result["per_prompt"]) == result["prompts"] == 2
     assert drafter.config.lookup_tokens == 10 and drafter.config.draft_length == "auto"  # restored
 
 
@@ -331,3 +334,23 @@ def test_time_limit_stops_at_the_first_step_past_it():
     assert stopped.should_training_stop and stopped.should_save  # a checkpoint of that step: a rerun resumes there
     with pytest.raises(ValueError, match="max_train_seconds"):
         DrafterTrainingArguments(output_dir="unused", max_train_seconds=0)
+
+
+def test_paired_tau_ratio_reads_a_win_only_where_every_draw_of_prompts_agrees():
+    """`paired_tau_ratio`: the pooled τ ratio of two drafters on the same prompts, with a paired bootstrap interval
+    over prompts; a gain on one prompt among losses is not a win; mismatched prompt lists are refused."""
+    import pytest
+
+    from angelspec_hf.trainer.evaluation import paired_tau_ratio
+
+    base = [[30, 20, 12], [10, 20, 6], [50, 25, 18], [20, 20, 9]]  # [accepted, rounds, first accepted] per prompt
+    same = paired_tau_ratio(base, base)
+    assert same["ratio"] == same["low"] == same["high"] == 1.0
+    better = [[a + 4, r, f] for a, r, f in base]  # 4 more tokens accepted on every prompt
+    found = paired_tau_ratio(base, better)
+    assert found["ratio"] == pytest.approx((126 + 85) / (110 + 85)) and 1.0 < found["low"] <= found["ratio"]
+    mixed = [[a + (40 if i == 2 else -3), r, f] for i, (a, r, f) in enumerate(base)]  # one prompt up, three down
+    found = paired_tau_ratio(base, mixed)
+    assert found["ratio"] > 1.0 and found["low"] < 1.0 < found["high"]
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_tau_ratio(base, base[:3])

@@ -10,7 +10,7 @@ _EXPORTS = {
     "DrafterTrainer": "trainer", "pack_blocks": "trainer",
     "DrafterTrainingArguments": "arguments",
     "DrafterCollator": "dataset", "load_regenerated": "dataset",
-    "AcceptanceEvalCallback": "evaluation", "measure_acceptance": "evaluation",
+    "AcceptanceEvalCallback": "evaluation", "measure_acceptance": "evaluation", "paired_tau_ratio": "evaluation",
     "ModelArguments": "run", "train": "run",
 }
 __all__ = sorted(_EXPORTS)

@@ -68,21 +68,41 @@ def own_forward(drafter):
 def measure_acceptance(target, drafter, tokenizer, prompts: list[str], max_new_tokens: int = 64) -> dict:
     """Greedy (temperature 0) τ over `prompts`, whole blocks drafted: tokens per target forward, bonus token included,
     pooled over rounds; `first` is the share of rounds whose first draft token was accepted. The drafter runs as at
-    inference: its own forward in its own dtype, even mid-training under `--bf16` (`own_forward`)."""
+    inference: its own forward in its own dtype, even mid-training under `--bf16` (`own_forward`). `per_prompt` holds
+    each prompt's `[accepted draft tokens, rounds, rounds whose first draft token was accepted]`, for paired
+    comparisons of two drafters on the same prompts (`paired_tau_ratio`)."""
     was_training = drafter.training
     drafter.eval()
-    accepted = rounds = first = 0
+    per_prompt = []
     with whole_blocks(drafter), own_forward(drafter):
         for prompt in prompts:
             ids = chat_input_ids(tokenizer, prompt).to(target.device)
             target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
             stats = drafter.last_speculation_stats
-            accepted += sum(stats.accepted)
-            rounds += stats.rounds
-            first += sum(a >= 1 for a in stats.accepted)
+            per_prompt.append([int(sum(stats.accepted)), int(stats.rounds), int(sum(a >= 1 for a in stats.accepted))])
     drafter.train(was_training)
+    accepted, rounds, first = (sum(column) for column in zip(*per_prompt)) if per_prompt else (0, 0, 0)
     return {"tau": (accepted + rounds) / max(rounds, 1), "first": first / max(rounds, 1), "rounds": rounds,
-            "prompts": len(prompts)}
+            "prompts": len(prompts), "per_prompt": per_prompt}
+
+
+def paired_tau_ratio(base: list, other: list, resamples: int = 4000, seed: int = 0) -> dict:
+    """τ(other) / τ(base) on the same prompts (each a `measure_acceptance` `per_prompt` list), with a 95% interval
+    from a paired bootstrap over prompts: prompts are drawn with replacement and both drafters' τ pooled over the same
+    draw, so the prompts' own difficulty cancels. A drafter "wins" only where the interval's low end is above 1."""
+    import numpy as np
+
+    base, other = np.asarray(base, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    if base.shape != other.shape or base.ndim != 2 or len(base) == 0:
+        raise ValueError("paired_tau_ratio needs per-prompt counts of the same prompts for both drafters")
+
+    def tau(rows):  # rows: (..., prompts, 3) -> pooled τ
+        return (rows[..., 0].sum(-1) + rows[..., 1].sum(-1)) / np.maximum(rows[..., 1].sum(-1), 1)
+
+    draws = np.random.default_rng(seed).integers(0, len(base), size=(resamples, len(base)))
+    ratios = tau(other[draws]) / tau(base[draws])
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return {"ratio": float(tau(other) / tau(base)), "low": float(low), "high": float(high), "resamples": resamples}
 
 
 class AcceptanceEvalCallback(TrainerCallback):
