@@ -309,7 +309,8 @@ def test_measured_acceptance_is_the_drafters_own(setup):
     prompt = "Repeat after me: one two three, one two three, one two three, one two three."
     result = measure_acceptance(target, drafter, tokenizer, [prompt, "Count to five."], max_new_tokens=24)
     stats = drafter.last_speculation_stats
-    assert stats.lookup_rounds == 0 and stats.plain_steps == 0 and result["per_prompt"][-1][1] == stats.rounds > 0
+    assert stats.lookup_rounds == 0 and stats.plain_steps == 0 and stats.rounds > 0
+    assert result["per_prompt"][-1] == [sum(stats.accepted), stats.rounds, sum(a >= 1 for a in stats.accepted)]
     accepted, rounds, first = (sum(column) for column in zip(*result["per_prompt"]))  # the per-prompt counts pool
     assert rounds == result["rounds"] and result["tau"] == (accepted + rounds) / rounds
     assert result["first"] == first / rounds and len(result["per_prompt"]) == result["prompts"] == 2
@@ -354,3 +355,5 @@ def test_paired_tau_ratio_reads_a_win_only_where_every_draw_of_prompts_agrees():
     assert found["ratio"] > 1.0 and found["low"] < 1.0 < found["high"]
     with pytest.raises(ValueError, match="same prompts"):
         paired_tau_ratio(base, base[:3])
+    with pytest.raises(ValueError, match="one verification round"):
+        paired_tau_ratio(base, [*base[:3], [0, 0, 0]])

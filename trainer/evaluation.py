@@ -93,8 +93,11 @@ def paired_tau_ratio(base: list, other: list, resamples: int = 4000, seed: int =
     import numpy as np
 
     base, other = np.asarray(base, dtype=np.float64), np.asarray(other, dtype=np.float64)
-    if base.shape != other.shape or base.ndim != 2 or len(base) == 0:
-        raise ValueError("paired_tau_ratio needs per-prompt counts of the same prompts for both drafters")
+    if base.shape != other.shape or base.ndim != 2 or base.shape[1] != 3 or len(base) == 0:
+        raise ValueError("paired_tau_ratio needs per-prompt counts [accepted, rounds, first] of the same prompts for "
+                         "both drafters")
+    if not (base[:, 1] > 0).all() or not (other[:, 1] > 0).all():
+        raise ValueError("paired_tau_ratio needs at least one verification round per prompt for both drafters")
 
     def tau(rows):  # rows: (..., prompts, 3) -> pooled τ
         return (rows[..., 0].sum(-1) + rows[..., 1].sum(-1)) / np.maximum(rows[..., 1].sum(-1), 1)

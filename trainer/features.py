@@ -30,11 +30,16 @@ def target_states(target, input_ids, attention_mask, layer_ids, final: bool = Fa
     return features, (out.last_hidden_state if final else None)
 
 
-def _weights_checksum(model) -> float:
-    """A checksum of the model's weights (every parameter's absolute sum, in float64): two loads of the same weights
-    agree, another fine-tune or another dtype does not."""
+def _weights_checksum(model) -> str:
+    """SHA-256 over the model's parameters, name by name, as raw bytes (dtype and shape included): exact, the same on
+    every device, so two loads of the same weights agree and another fine-tune or another dtype does not."""
+    digest = hashlib.sha256()
     with torch.no_grad():
-        return round(sum(float(p.detach().double().abs().sum()) for p in model.parameters()), 3)
+        for name, param in model.named_parameters():
+            data = param.detach().contiguous().cpu()
+            digest.update(f"{name}:{str(data.dtype)}:{tuple(data.shape)};".encode())
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 class StatesStore:
@@ -44,7 +49,7 @@ class StatesStore:
     device and in its dtype) and written to `folder` as one safetensors file named by a hash of its token ids; every
     later read of that sequence (the next epochs) loads the file instead of running the target. Nothing is computed
     before training starts, the states are stored exactly as computed (bf16 stays bf16), and the store is keyed by the
-    target (architecture, dtype, a checksum of all its weights, not the folder it was loaded from), the layers and whether final states are kept: another key is
+    target (architecture, dtype, a SHA-256 of all its weights, not the folder it was loaded from), the layers and whether final states are kept: another key is
     another subfolder, so a store is never read for a target or layers it was not written by. Files appear whole (written
     under a temporary name, then renamed), so a killed run leaves no partial file; a write that fails (a full disk) is
     reported once and training continues online. Batches must be right-padded (`DrafterCollator`)."""
