@@ -206,20 +206,27 @@ def run_bench(target, tokenizer, drafters: dict, methods, prompt_sets: dict, tem
     return records
 
 
-def speedup_interval(rs: list[dict], ar: list[dict], level: float = 0.95, draws: int = 4000,
-                     seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap over prompts of the total speed-up `tps(rs) / tps(ar)`: prompts are drawn with
-    replacement, each with the AR run of the same prompt (`rs[i]` pairs with `ar[i]`), so the interval is the spread
-    that comes from which prompts a set happens to hold - the yardstick for "within noise" when a cell reads 0.95x."""
+def paired_ratio_interval(pairs, level: float = 0.95, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap over prompts of a ratio of pooled ratios, `(Σ n / Σ d) / (Σ n' / Σ d')`, where each row of
+    `pairs` is one prompt's `[n, d, n', d']` (the compared method's numerator and denominator, then the baseline's on
+    the same prompt): prompts are drawn with replacement and both sides pooled over the same draw, so the prompts' own
+    difficulty cancels and the interval is the spread that comes from which prompts a set happens to hold."""
     import numpy as np
 
-    tokens = np.array([[r["new_tokens"], a["new_tokens"]] for r, a in zip(rs, ar)], dtype=float)
-    seconds = np.array([[r["seconds"], a["seconds"]] for r, a in zip(rs, ar)], dtype=float)
-    idx = np.random.default_rng(seed).integers(0, len(tokens), size=(draws, len(tokens)))
-    t, s = tokens[idx].sum(1), seconds[idx].sum(1)  # [draws, 2]: method, AR
-    ratios = (t[:, 0] / s[:, 0]) / (t[:, 1] / s[:, 1])
-    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    pairs = np.asarray(pairs, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(pairs), size=(draws, len(pairs)))
+    n, d, n0, d0 = pairs[idx].sum(1).T  # each [draws]
+    lo, hi = np.quantile((n / d) / (n0 / d0), [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
+
+
+def speedup_interval(rs: list[dict], ar: list[dict], level: float = 0.95, draws: int = 4000,
+                     seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap over prompts of the total speed-up `tps(rs) / tps(ar)` (`paired_ratio_interval`), each
+    prompt with the AR run of the same prompt (`rs[i]` pairs with `ar[i]`): the yardstick for "within noise" when a
+    cell reads 0.95x."""
+    return paired_ratio_interval([[r["new_tokens"], r["seconds"], a["new_tokens"], a["seconds"]]
+                                  for r, a in zip(rs, ar)], level, draws, seed)
 
 
 def summarise(records: list[dict]) -> list[dict]:

@@ -92,6 +92,8 @@ def paired_tau_ratio(base: list, other: list, resamples: int = 4000, seed: int =
     draw, so the prompts' own difficulty cancels. A drafter "wins" only where the interval's low end is above 1."""
     import numpy as np
 
+    from angelspec_hf.bench import paired_ratio_interval
+
     base, other = np.asarray(base, dtype=np.float64), np.asarray(other, dtype=np.float64)
     if base.shape != other.shape or base.ndim != 2 or base.shape[1] != 3 or len(base) == 0:
         raise ValueError("paired_tau_ratio needs per-prompt counts [accepted, rounds, first] of the same prompts for "
@@ -99,13 +101,11 @@ def paired_tau_ratio(base: list, other: list, resamples: int = 4000, seed: int =
     if not (base[:, 1] > 0).all() or not (other[:, 1] > 0).all():
         raise ValueError("paired_tau_ratio needs at least one verification round per prompt for both drafters")
 
-    def tau(rows):  # rows: (..., prompts, 3) -> pooled τ
-        return (rows[..., 0].sum(-1) + rows[..., 1].sum(-1)) / np.maximum(rows[..., 1].sum(-1), 1)
-
-    draws = np.random.default_rng(seed).integers(0, len(base), size=(resamples, len(base)))
-    ratios = tau(other[draws]) / tau(base[draws])
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return {"ratio": float(tau(other) / tau(base)), "low": float(low), "high": float(high), "resamples": resamples}
+    # τ = (accepted + rounds) / rounds, pooled: per prompt [its τ's numerator, rounds] for each drafter
+    pairs = np.stack([other[:, 0] + other[:, 1], other[:, 1], base[:, 0] + base[:, 1], base[:, 1]], axis=1)
+    n, d, n0, d0 = pairs.sum(0)
+    low, high = paired_ratio_interval(pairs, 0.95, resamples, seed)
+    return {"ratio": float((n / d) / (n0 / d0)), "low": low, "high": high, "resamples": resamples}
 
 
 class AcceptanceEvalCallback(TrainerCallback):
