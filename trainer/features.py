@@ -38,7 +38,7 @@ def _weights_checksum(model) -> str:
         for name, param in model.named_parameters():
             data = param.detach().contiguous().cpu()
             digest.update(f"{name}:{str(data.dtype)}:{tuple(data.shape)};".encode())
-            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(data.reshape(-1).view(torch.uint8).numpy())  # the bytes, not a copy of them
     return digest.hexdigest()[:32]
 
 
@@ -49,8 +49,9 @@ class StatesStore:
     device and in its dtype) and written to `folder` as one safetensors file named by a hash of its token ids; every
     later read of that sequence (the next epochs) loads the file instead of running the target. Nothing is computed
     before training starts, the states are stored exactly as computed (bf16 stays bf16), and the store is keyed by the
-    target (architecture, dtype, a SHA-256 of all its weights, not the folder it was loaded from), the layers and whether final states are kept: another key is
-    another subfolder, so a store is never read for a target or layers it was not written by. Files appear whole (written
+    target (architecture, dtype, a SHA-256 of all its weights, not the folder it was loaded from), the layers and
+    whether final states are kept: another key is another subfolder, so a store is never read for a target or layers
+    it was not written by. Files appear whole (written
     under a temporary name, then renamed), so a killed run leaves no partial file; a write that fails (a full disk) is
     reported once and training continues online. Batches must be right-padded (`DrafterCollator`)."""
 
