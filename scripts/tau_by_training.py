@@ -17,11 +17,11 @@ the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is rea
 of the run (its own, or its newest checkpoint's), drawn against training blocks seen, and extrapolated to τ 3 and 4
 by a least-squares fit τ = a + b·ln(blocks); the blocks needed are converted to CPU hours at the run's median logged
 `blocks_per_second`. `--blocks-before` adds the blocks the starting drafter had already seen (its config's
-`training_blocks`: the shipped DFly 4,515,426; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
+`training_blocks`: the shipped DFly 5,342,967; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
 Several run folders, each run continuing the previous one's final drafter (`INIT=<previous>/dfly`), are read as one
 run and fitted together.
 
-    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 4515426 \
+    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 5342967 \
         --out outputs/tau-by-training          # writes tau_by_compute.json and tau_by_compute.png
 """
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import angelspec_hf  # noqa: E402
 from angelspec_hf.shipped import drafter_for_target  # noqa: E402
-from angelspec_hf.trainer.compute_curve import (  # noqa: E402,F401 (blocks_for, fit_log_curve: for the tests)
+from angelspec_hf.trainer.compute_curve import (  # noqa: E402
     blocks_for, curve, fit_log_curve, plot_compute)
 from angelspec_hf.trainer.evaluation import measure_acceptance, paired_tau_ratio  # noqa: E402
 from angelspec_hf.weights_store import MANIFEST, WeightFile, write_blob  # noqa: E402
@@ -160,29 +160,53 @@ def chained_history(run_dirs, key: str = "tau/held_out") -> list[dict]:
         blocks += seen
         ends = [entry for entry in history if key in entry and entry.get("blocks") == blocks]
         last = ends[-1] if ends else None
+        if last is not None:
+            last["run_end"] = True  # the piece's annealed end (`--fit-ends`)
     return history
 
 
+def run_ends(history: list[dict], blocks_before: int, key: str = "tau/held_out") -> list[dict]:
+    """The end of each chained run (its last logged `key`, at the blocks it ended with) as `{"step", "blocks",
+    "tau"}`: where each piece's learning rate had decayed."""
+    return [{"step": e["step"], "blocks": e["blocks"] + blocks_before, "tau": e[key]}
+            for e in history if e.get("run_end") and key in e]
+
+
 def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = (),
-              compare: list[dict] = (), goals=(3.0, 4.0)) -> dict:
+              compare: list[dict] = (), goals=(3.0, 4.0), fit_ends: bool = False, fitted: list[dict] = ()) -> dict:
     """`run_dir`: a run folder, or a list of them where each run continued the previous one's drafter (fitted as
-    one curve, `chained_history`)."""
+    one curve, `chained_history`). `fit_ends`: fit only each run's end (`run_ends`) and the `fitted` points (the
+    ends of earlier pieces), not every logged point: the restart of each piece at its peak learning rate and the
+    spread of a dozen prompts move the points inside a piece more than the training between pieces does."""
     runs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
-    found = curve(chained_history(runs, key), blocks_before, key, goals)
+    history = chained_history(runs, key)
+    found = curve(history, blocks_before, key, goals)
     if found is None:
         raise ValueError(f"{', '.join(map(str, runs))} logged {key} at fewer than two different block counts: "
                          "nothing to fit")
     rows, rate = found["rows"], found["blocks_per_second"]
+    fit_over = ""
+    if fit_ends or fitted:
+        points = [*fitted, *run_ends(history, blocks_before, key)] if fit_ends else [*fitted, *rows]
+        a, b = fit_log_curve([p["blocks"] for p in points], [p["tau"] for p in points])
+        found["fit"] = {"a": a, "b": b, "form": "tau = a + b * ln(blocks)",
+                        "points": [{"blocks": p["blocks"], "tau": p["tau"]} for p in points]}
+        found["goals"] = {str(t): {"blocks": x, "hours": x / rate / 3600 if x and rate else None}
+                          for t in goals for x in [blocks_for(t, a, b)]}
+        fit_over = "the pieces' ends" if fit_ends else ""
     fit = (found["fit"]["a"], found["fit"]["b"])
     goals = {float(t): g["blocks"] for t, g in found["goals"].items()}
-    result = {"run": ", ".join(map(str, runs)), **found, "earlier": list(earlier), "compare": list(compare),
+    result = {"run": ", ".join(map(str, runs)), **found, "earlier": list(earlier), "fitted": list(fitted),
+              "compare": list(compare),
               "goals": {t: {"blocks": g["blocks"], "cpu_hours": g["hours"]} for t, g in found["goals"].items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "tau_by_compute.json").write_text(json.dumps(result, indent=1))
-    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate, list(earlier), list(compare))
+    plot_compute(rows, fit, goals, out / "tau_by_compute.png", rate, list(earlier), list(compare), list(fitted),
+                 fit_over)
     for r in rows:
         print(f"step {r['step']:>6}  blocks {r['blocks']:>10,}  τ {r['tau']:.3f}")
-    print(f"fit: τ = {fit[0]:.3f} + {fit[1]:.4f}·ln(blocks); run speed {rate} blocks/s (median logged)")
+    print(f"fit{' over ' + str(len(found['fit']['points'])) + ' points' if 'points' in found['fit'] else ''}: "
+          f"τ = {fit[0]:.3f} + {fit[1]:.4f}·ln(blocks); run speed {rate} blocks/s (median logged)")
     for tau, x in goals.items():
         hours = f" = {x / rate / 3600:,.0f} CPU hours at that speed" if x and rate else ""
         print(f"τ {tau}: {'not reached by the fit' if x is None else f'{x:,.0f} blocks{hours}'}")
@@ -212,13 +236,20 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
                         help="with --from-logs: another drafter's held-out τ on the same prompts (e.g. the DFlash "
                              "baseline at its blocks seen), drawn apart from the run (not fitted); repeatable")
+    parser.add_argument("--fitted", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
+                        help="with --from-logs: where an earlier piece of training ended (held-out τ at its blocks "
+                             "seen), drawn and fitted with the run; repeatable")
+    parser.add_argument("--fit-ends", action="store_true",
+                        help="with --from-logs: fit each run's last logged τ (where its learning rate had decayed) "
+                             "and the --fitted points, not every logged point")
     parser.add_argument("--goals", default="3,4", help="with --from-logs: the τ values the fit is extended to "
                         "(comma-separated; e.g. 2,3 for MTP)")
     args = parser.parse_args(argv)
     if args.from_logs:
         from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key,
                   [parse_earlier(spec) for spec in args.earlier], [parse_earlier(spec) for spec in args.compare],
-                  tuple(float(goal) for goal in args.goals.split(",")))
+                  tuple(float(goal) for goal in args.goals.split(",")), args.fit_ends,
+                  [parse_earlier(spec) for spec in args.fitted])
         return 0
     if args.plot_only:
         rows = json.loads((Path(args.out) / "tau_by_training.json").read_text())["rows"]

@@ -311,9 +311,9 @@ def test_the_returned_files_stay_within_eight_and_receive_rebuilds_them(tmp_path
     assert sorted(p.name for p in (final / "returned").iterdir()) == ["bench.tar.gz", "extra.txt", "logs.tar.gz",
                                                                      "playbook.log"]
     assert f"stage.py pack --init-from {final.as_posix()}" in text
-    assert "--blocks-before 4515426" in text and "--full-vocab" in text and "--sets sharegpt,alpaca" in text
+    assert "--blocks-before 5342967" in text and "--full-vocab" in text and "--sets sharegpt,alpaca" in text
     # every family's curve starts from the blocks its shipped drafter had seen (its config's training_blocks)
-    assert results.shipped_blocks() == {"dfly": 4_515_426, "dflash": 460_800, "mtp": 489_897}
+    assert results.shipped_blocks() == {"dfly": 5_342_967, "dflash": 460_800, "mtp": 489_897}
     assert "--blocks-before 460800" in text and "--blocks-before 489897" in text
     with pytest.raises(results.ResultError, match="exists"):
         results.receive(out, tmp_path / "received")

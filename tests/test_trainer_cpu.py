@@ -275,6 +275,45 @@ def test_tau_by_compute_chains_runs_that_continue_one_another(tmp_path, capsys):
     assert "did it start from that run's final drafter" in capsys.readouterr().err
 
 
+def test_tau_by_compute_fits_the_ends_of_pieces(tmp_path):
+    """`--fit-ends`: the fit goes through each chained run's end (and `--fitted` earlier ends), not the points
+    inside a piece, which a restart at the peak learning rate pulls down; every logged point is still drawn."""
+    import json
+    import math
+
+    script = tau_by_training_script()
+
+    def tau(blocks):
+        return 1.0 + 0.25 * math.log(blocks)
+
+    def run(name, points, start_tau):
+        history = [{"tau/held_out": start_tau, "step": 0, "blocks": 0}]
+        for step, blocks, t in points:
+            history += [{"loss": 1.0, "step": step, "blocks": blocks, "blocks_per_second": 100.0},
+                        {"tau/held_out": t, "step": step, "blocks": blocks}]
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": points[-1][0], "log_history": history}))
+        return folder
+
+    # each piece dips below the curve after its restart and ends on it
+    first = run("first", [(100, 40_000, tau(1_040_000) - 0.3), (200, 80_000, tau(1_080_000))], tau(1_000_000))
+    second = run("second", [(100, 50_000, tau(1_130_000) - 0.3), (300, 150_000, tau(1_230_000))], tau(1_080_000))
+    fitted = [script.parse_earlier("round 0:500000:" + repr(tau(500_000)))]
+    ends = script.from_logs([first, second], tmp_path / "ends", blocks_before=1_000_000, fit_ends=True,
+                            fitted=fitted)
+    assert ends["fit"]["a"] == pytest.approx(1.0) and ends["fit"]["b"] == pytest.approx(0.25)
+    assert [p["blocks"] for p in ends["fit"]["points"]] == [500_000, 1_080_000, 1_230_000]
+    assert ends["goals"]["3.0"]["blocks"] == pytest.approx(math.exp(8.0), rel=1e-6)
+    assert len(ends["rows"]) == 5 and ends["fitted"] == fitted  # every logged point drawn; the earlier end kept
+    every = script.from_logs([first, second], tmp_path / "every", blocks_before=1_000_000)
+    assert every["fit"]["b"] != pytest.approx(0.25)  # the dips pull a fit over every point away
+    assert script.main(["--from-logs", str(first), str(second), "--blocks-before", "1000000", "--fit-ends",
+                        "--fitted", "round 0:500000:" + repr(tau(500_000)), "--out", str(tmp_path / "cli")]) == 0
+    stored = json.loads((tmp_path / "cli" / "tau_by_compute.json").read_text())
+    assert stored["fit"]["b"] == pytest.approx(0.25) and (tmp_path / "cli" / "tau_by_compute.png").is_file()
+
+
 def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
     """Under `--bf16` accelerate wraps the trained drafter's forward in bf16 autocast; the τ eval in the middle of
     such a run must still draft as inference does (fp32 on CPU), and training goes on under autocast afterwards."""

@@ -38,10 +38,13 @@ def blocks_for(tau: float, a: float, b: float) -> float | None:
 
 
 def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: Path, rate: float | None,
-                 earlier: list[dict] = (), compare: list[dict] = ()) -> None:
+                 earlier: list[dict] = (), compare: list[dict] = (), fitted: list[dict] = (),
+                 fit_over: str = "") -> None:
     """Held-out τ against blocks seen (log axis), the fitted curve extended to the τ goals, each goal marked with its
     blocks (and CPU hours at `rate` blocks per second); `earlier` points (label, blocks, τ) drawn beside, not fitted;
-    `compare` points (label, blocks, τ: another drafter on the same prompts, e.g. the DFlash baseline) drawn apart."""
+    `fitted` points (earlier pieces' ends that the fit includes) drawn filled; `compare` points (label, blocks, τ:
+    another drafter on the same prompts, e.g. the DFlash baseline) drawn apart. `fit_over` names the fit's points in
+    its legend entry."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,6 +56,11 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
                 label="earlier rounds (not fitted)")
         for r in earlier:
             ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(4, -10), fontsize=6)
+    if fitted:
+        ax.plot([r["blocks"] for r in fitted], [r["tau"] for r in fitted], "D", color="dimgrey",
+                label="earlier pieces' ends (fitted)")
+        for r in fitted:
+            ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(4, -10), fontsize=6)
     ax.plot([r["blocks"] for r in rows], [r["tau"] for r in rows], "o", color="C0", label="held-out τ (logged)")
     if compare:
         ax.plot([r["blocks"] for r in compare], [r["tau"] for r in compare], "^", color="C3",
@@ -61,10 +69,10 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
             ax.annotate(r["label"], (r["blocks"], r["tau"]), textcoords="offset points", xytext=(6, -12), fontsize=6,
                         color="C3")
     reach = [x for x in goals.values() if x] + [r["blocks"] for r in rows]
-    lo, hi = min(r["blocks"] for r in [*rows, *earlier, *compare]), max(reach) * 1.5
+    lo, hi = min(r["blocks"] for r in [*rows, *earlier, *compare, *fitted]), max(reach) * 1.5
     xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
     ax.plot(xs, [fit[0] + fit[1] * math.log(x) for x in xs], "--", color="C1",
-            label=f"fit τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks)")
+            label=f"fit τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks)" + (f" over {fit_over}" if fit_over else ""))
     for tau, blocks in goals.items():
         ax.axhline(tau, color="grey", lw=0.8, ls=":")
         if blocks:
