@@ -186,14 +186,22 @@ def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out",
                          "nothing to fit")
     rows, rate = found["rows"], found["blocks_per_second"]
     fit_over = ""
-    if fit_ends or fitted:
-        points = [*fitted, *run_ends(history, blocks_before, key)] if fit_ends else [*fitted, *rows]
+    if fitted and not fit_ends:
+        raise ValueError("`fitted` points (earlier pieces' ends) are fitted with the runs' ends: use them with fit_ends")
+    if fit_ends:
+        ends = run_ends(history, blocks_before, key)
+        if len(ends) < len(runs):
+            print(f"warning: {len(runs) - len(ends)} of the runs logged no {key} at their last step: left out of the "
+                  "fit of the pieces' ends", file=sys.stderr)
+        points = [*fitted, *ends]
+        if len({p["blocks"] for p in points}) < 2:
+            raise ValueError(f"--fit-ends: {len(points)} end(s) to fit; give earlier pieces' ends with --fitted")
         a, b = fit_log_curve([p["blocks"] for p in points], [p["tau"] for p in points])
         found["fit"] = {"a": a, "b": b, "form": "tau = a + b * ln(blocks)",
                         "points": [{"blocks": p["blocks"], "tau": p["tau"]} for p in points]}
         found["goals"] = {str(t): {"blocks": x, "hours": x / rate / 3600 if x and rate else None}
                           for t in goals for x in [blocks_for(t, a, b)]}
-        fit_over = "the pieces' ends" if fit_ends else ""
+        fit_over = "the pieces' ends"
     fit = (found["fit"]["a"], found["fit"]["b"])
     goals = {float(t): g["blocks"] for t, g in found["goals"].items()}
     result = {"run": ", ".join(map(str, runs)), **found, "earlier": list(earlier), "fitted": list(fitted),
@@ -237,8 +245,8 @@ def main(argv=None) -> int:
                         help="with --from-logs: another drafter's held-out τ on the same prompts (e.g. the DFlash "
                              "baseline at its blocks seen), drawn apart from the run (not fitted); repeatable")
     parser.add_argument("--fitted", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
-                        help="with --from-logs: where an earlier piece of training ended (held-out τ at its blocks "
-                             "seen), drawn and fitted with the run; repeatable")
+                        help="with --fit-ends: where an earlier piece of training ended (held-out τ at its blocks "
+                             "seen), drawn and fitted with the runs' ends; repeatable")
     parser.add_argument("--fit-ends", action="store_true",
                         help="with --from-logs: fit each run's last logged τ (where its learning rate had decayed) "
                              "and the --fitted points, not every logged point")
@@ -246,6 +254,8 @@ def main(argv=None) -> int:
                         "(comma-separated; e.g. 2,3 for MTP)")
     args = parser.parse_args(argv)
     if args.from_logs:
+        if args.fitted and not args.fit_ends:
+            parser.error("--fitted gives earlier pieces' ends to the fit of --fit-ends: add --fit-ends")
         from_logs(args.from_logs, Path(args.out), args.blocks_before, args.log_key,
                   [parse_earlier(spec) for spec in args.earlier], [parse_earlier(spec) for spec in args.compare],
                   tuple(float(goal) for goal in args.goals.split(",")), args.fit_ends,

@@ -312,6 +312,10 @@ def test_tau_by_compute_fits_the_ends_of_pieces(tmp_path):
                         "--fitted", "round 0:500000:" + repr(tau(500_000)), "--out", str(tmp_path / "cli")]) == 0
     stored = json.loads((tmp_path / "cli" / "tau_by_compute.json").read_text())
     assert stored["fit"]["b"] == pytest.approx(0.25) and (tmp_path / "cli" / "tau_by_compute.png").is_file()
+    with pytest.raises(ValueError, match="fit_ends"):  # earlier ends mixed into a fit over every logged point
+        script.from_logs([first, second], tmp_path / "mixed", blocks_before=1_000_000, fitted=fitted)
+    with pytest.raises(ValueError, match="--fitted"):  # one end alone fixes no slope
+        script.from_logs(first, tmp_path / "alone", blocks_before=1_000_000, fit_ends=True)
 
 
 def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):
