@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import angelspec_hf  # noqa: E402
 from angelspec_hf.shipped import drafter_for_target  # noqa: E402
-from angelspec_hf.trainer.compute_curve import (  # noqa: E402
+from angelspec_hf.trainer.compute_curve import (  # noqa: E402,F401 (blocks_for, fit_log_curve: for the tests)
     blocks_for, curve, fit_log_curve, plot_compute)
 from angelspec_hf.trainer.evaluation import measure_acceptance, paired_tau_ratio  # noqa: E402
 from angelspec_hf.weights_store import MANIFEST, WeightFile, write_blob  # noqa: E402
@@ -180,14 +180,9 @@ def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out",
     spread of a dozen prompts move the points inside a piece more than the training between pieces does."""
     runs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
     history = chained_history(runs, key)
-    found = curve(history, blocks_before, key, goals)
-    if found is None:
-        raise ValueError(f"{', '.join(map(str, runs))} logged {key} at fewer than two different block counts: "
-                         "nothing to fit")
-    rows, rate = found["rows"], found["blocks_per_second"]
-    fit_over = ""
     if fitted and not fit_ends:
         raise ValueError("`fitted` points (earlier pieces' ends) are fitted with the runs' ends: use them with fit_ends")
+    points = None
     if fit_ends:
         ends = run_ends(history, blocks_before, key)
         if len(ends) < len(runs):
@@ -196,12 +191,12 @@ def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out",
         points = [*fitted, *ends]
         if len({p["blocks"] for p in points}) < 2:
             raise ValueError(f"--fit-ends: {len(points)} end(s) to fit; give earlier pieces' ends with --fitted")
-        a, b = fit_log_curve([p["blocks"] for p in points], [p["tau"] for p in points])
-        found["fit"] = {"a": a, "b": b, "form": "tau = a + b * ln(blocks)",
-                        "points": [{"blocks": p["blocks"], "tau": p["tau"]} for p in points]}
-        found["goals"] = {str(t): {"blocks": x, "hours": x / rate / 3600 if x and rate else None}
-                          for t in goals for x in [blocks_for(t, a, b)]}
-        fit_over = "the pieces' ends"
+    found = curve(history, blocks_before, key, goals, fit_points=points)
+    if found is None:
+        raise ValueError(f"{', '.join(map(str, runs))} logged {key} at fewer than two different block counts: "
+                         "nothing to fit")
+    rows, rate = found["rows"], found["blocks_per_second"]
+    fit_over = "the pieces' ends" if fit_ends else ""
     fit = (found["fit"]["a"], found["fit"]["b"])
     goals = {float(t): g["blocks"] for t, g in found["goals"].items()}
     result = {"run": ", ".join(map(str, runs)), **found, "earlier": list(earlier), "fitted": list(fitted),

@@ -88,19 +88,26 @@ def plot_compute(rows: list[dict], fit: tuple[float, float], goals: dict, path: 
     fig.savefig(path, dpi=120)
 
 
-def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_out", goals=GOALS) -> dict | None:
+def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_out", goals=GOALS,
+          fit_points: list[dict] | None = None) -> dict | None:
     """The run's points, fit, goals (blocks, and hours at the run's median logged `blocks_per_second`) as a dict;
-    None when the log holds `key` at fewer than two different block counts."""
+    None when the log holds `key` at fewer than two different block counts. `fit_points` (`{"blocks", "tau"}`, e.g.
+    where pieces of training ended): fit these instead of every logged point (the fit then lists them as `points`)."""
     rows = [r for r in rows_from_logs(log_history, key, blocks_before) if r["blocks"] > 0]  # a log axis
     try:
         fit = fit_log_curve([r["blocks"] for r in rows], [r["tau"] for r in rows])
     except ValueError:
         return None
+    if fit_points is not None:
+        fit = fit_log_curve([p["blocks"] for p in fit_points], [p["tau"] for p in fit_points])
     rates = [e["blocks_per_second"] for e in log_history if "blocks_per_second" in e]
     rate = statistics.median(rates) if rates else None
     goals = {tau: blocks_for(tau, *fit) for tau in goals}
     return {"key": key, "blocks_before": blocks_before, "rows": rows,
-            "fit": {"a": fit[0], "b": fit[1], "form": "tau = a + b * ln(blocks)"}, "blocks_per_second": rate,
+            "fit": {"a": fit[0], "b": fit[1], "form": "tau = a + b * ln(blocks)",
+                    **({} if fit_points is None else {"points": [{"blocks": p["blocks"], "tau": p["tau"]}
+                                                                 for p in fit_points]})},
+            "blocks_per_second": rate,
             "goals": {str(t): {"blocks": x, "hours": x / rate / 3600 if x and rate else None}
                       for t, x in goals.items()}}
 
