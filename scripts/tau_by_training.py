@@ -17,11 +17,11 @@ the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is rea
 of the run (its own, or its newest checkpoint's), drawn against training blocks seen, and extrapolated to τ 3 and 4
 by a least-squares fit τ = a + b·ln(blocks); the blocks needed are converted to CPU hours at the run's median logged
 `blocks_per_second`. `--blocks-before` adds the blocks the starting drafter had already seen (its config's
-`training_blocks`: the shipped DFly 5,342,967; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
+`training_blocks`: the shipped DFly 6,269,368; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
 Several run folders, each run continuing the previous one's final drafter (`INIT=<previous>/dfly`), are read as one
 run and fitted together.
 
-    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 5342967 \
+    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 6269368 \
         --out outputs/tau-by-training          # writes tau_by_compute.json and tau_by_compute.png
 """
 
@@ -172,17 +172,37 @@ def run_ends(history: list[dict], blocks_before: int, key: str = "tau/held_out")
             for e in history if e.get("run_end") and key in e]
 
 
+def recorded_ends(run_dir, blocks_before: int) -> list[dict]:
+    """Where the pieces before a run ended, as its config records them (`held_out_tau_ends`, written by every
+    training run: the starting drafter's list and its own end), those at or before `blocks_before` (the run's start),
+    labelled `piece N`; the run's own folder, else its newest checkpoint's. Empty when the config has none."""
+    configs = [Path(run_dir) / "config.json",
+               *sorted(Path(run_dir).glob("checkpoint-*/config.json"), key=lambda p: -int(p.parent.name.split("-")[-1]))]
+    for path in configs:
+        if path.is_file():
+            ends = json.loads(path.read_text()).get("held_out_tau_ends") or []
+            return [{"label": f"piece {i + 1}", "blocks": int(e["blocks"]), "tau": float(e["tau"])}
+                    for i, e in enumerate(ends) if e["blocks"] <= blocks_before]
+    return []
+
+
 def from_logs(run_dir, out: Path, blocks_before: int, key: str = "tau/held_out", earlier: list[dict] = (),
               compare: list[dict] = (), goals=(3.0, 4.0), fit_ends: bool = False, fitted: list[dict] = ()) -> dict:
     """`run_dir`: a run folder, or a list of them where each run continued the previous one's drafter (fitted as
     one curve, `chained_history`). `fit_ends`: fit only each run's end (`run_ends`) and the `fitted` points (the
-    ends of earlier pieces), not every logged point: the restart of each piece at its peak learning rate and the
+    ends of earlier pieces; by default those the first run's config records, `recorded_ends`), not every logged
+    point: the restart of each piece at its peak learning rate and the
     spread of a dozen prompts move the points inside a piece more than the training between pieces does."""
     runs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
     history = chained_history(runs, key)
     if fitted and not fit_ends:
         raise ValueError("`fitted` points (earlier pieces' ends) are fitted with the runs' ends: use them with fit_ends")
     points = None
+    if fit_ends and not fitted:  # the earlier pieces' ends the first run's config records
+        fitted = recorded_ends(runs[0], blocks_before)
+        if fitted:
+            print(f"fitting with the {len(fitted)} earlier pieces' ends {runs[0]}'s config records "
+                  "(held_out_tau_ends)", file=sys.stderr)
     if fit_ends:
         ends = run_ends(history, blocks_before, key)
         if len(ends) < len(runs):
@@ -241,7 +261,8 @@ def main(argv=None) -> int:
                              "baseline at its blocks seen), drawn apart from the run (not fitted); repeatable")
     parser.add_argument("--fitted", action="append", default=[], metavar="LABEL:BLOCKS:TAU",
                         help="with --fit-ends: where an earlier piece of training ended (held-out τ at its blocks "
-                             "seen), drawn and fitted with the runs' ends; repeatable")
+                             "seen), drawn and fitted with the runs' ends; repeatable (default: the ends the first "
+                             "run's config records, held_out_tau_ends)")
     parser.add_argument("--fit-ends", action="store_true",
                         help="with --from-logs: fit each run's last logged τ (where its learning rate had decayed) "
                              "and the --fitted points, not every logged point")

@@ -180,7 +180,12 @@ def fake_result(folder, family, size=3000, seed=0):
     out = folder / f"{family}-gpu"
     out.mkdir(parents=True)
     (out / "model.safetensors").write_bytes(rng.randbytes(size))
-    (out / "config.json").write_text(json.dumps({"model_type": f"angelspec_{family}"}))
+    config = {"model_type": f"angelspec_{family}"}
+    shipped = json.loads((ROOT / results.SHIPPED[family] / "config.json").read_text())
+    if shipped.get("held_out_tau_ends"):  # a run continued from the shipped drafter adds its own end
+        config["held_out_tau_ends"] = [*shipped["held_out_tau_ends"],
+                                       {"blocks": shipped["training_blocks"] + 640, "tau": 2.5}]
+    (out / "config.json").write_text(json.dumps(config))
     state = {"global_step": 10, "log_history": [{"step": 10, "blocks": 640, "tau/held_out": 2.5}]}
     record = results.make_record(family, state, None, init=results.SHIPPED[family], source="final", device="GPU",
                                  batch=4, anchors=16, max_steps=10, seed=1, wall_seconds=9)
@@ -311,10 +316,12 @@ def test_the_returned_files_stay_within_eight_and_receive_rebuilds_them(tmp_path
     assert sorted(p.name for p in (final / "returned").iterdir()) == ["bench.tar.gz", "extra.txt", "logs.tar.gz",
                                                                      "playbook.log"]
     assert f"stage.py pack --init-from {final.as_posix()}" in text
-    assert "--blocks-before 5342967" in text and "--full-vocab" in text and "--sets sharegpt,alpaca" in text
-    # every family's curve starts from the blocks its shipped drafter had seen (its config's training_blocks)
-    assert results.shipped_blocks() == {"dfly": 5_342_967, "dflash": 460_800, "mtp": 489_897}
-    assert "--blocks-before 460800" in text and "--blocks-before 489897" in text
+    assert "--full-vocab" in text and "--sets sharegpt,alpaca" in text
+    # every family's curve starts from the blocks its shipped drafter had seen (its config's training_blocks), and
+    # DFly's, whose config records the CPU rounds' ends, is fitted through them
+    assert results.shipped_blocks() == {"dfly": 6_269_368, "dflash": 460_800, "mtp": 489_897}
+    assert "--blocks-before 6269368 --fit-ends --out" in text
+    assert "--blocks-before 460800 --out" in text and "--blocks-before 489897 --sets" in text
     with pytest.raises(results.ResultError, match="exists"):
         results.receive(out, tmp_path / "received")
     pieces[1].unlink()

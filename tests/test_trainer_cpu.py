@@ -316,6 +316,42 @@ def test_tau_by_compute_fits_the_ends_of_pieces(tmp_path):
         script.from_logs([first, second], tmp_path / "mixed", blocks_before=1_000_000, fitted=fitted)
     with pytest.raises(ValueError, match="--fitted"):  # one end alone fixes no slope
         script.from_logs(first, tmp_path / "alone", blocks_before=1_000_000, fit_ends=True)
+    # the earlier ends a run's config records (`held_out_tau_ends`) stand in for --fitted; later ones are its own
+    recorded = [{"blocks": 500_000, "tau": tau(500_000)}, {"blocks": 1_000_000, "tau": tau(1_000_000)},
+                {"blocks": 1_080_000, "tau": tau(1_080_000)}]
+    (first / "config.json").write_text(json.dumps({"held_out_tau_ends": recorded}))
+    own = script.from_logs([first, second], tmp_path / "recorded", blocks_before=1_000_000, fit_ends=True)
+    assert [p["blocks"] for p in own["fit"]["points"]] == [500_000, 1_000_000, 1_080_000, 1_230_000]
+    assert own["fit"]["b"] == pytest.approx(0.25) and [p["label"] for p in own["fitted"]] == ["piece 1", "piece 2"]
+
+
+def test_a_runs_card_fits_through_the_pieces_ends(tmp_path):
+    """The card a training run writes (`compute_curve.card_section`) fits through where each piece ended (the
+    starting drafter's `held_out_tau_ends` and the run's last point), not the run's own dip after its restart, and
+    over every logged point for a run with no earlier end."""
+    import math
+
+    from angelspec_hf.trainer.compute_curve import card_section, piece_ends
+
+    def tau(blocks):
+        return 1.0 + 0.25 * math.log(blocks)
+
+    history = [{"tau/held_out": tau(2_000_000), "step": 0, "blocks": 0}]
+    for step, blocks, dip in ((100, 100_000, 0.3), (200, 200_000, 0.2), (300, 300_000, 0.0)):
+        history += [{"loss": 1.0, "step": step, "blocks": blocks, "blocks_per_second": 100.0},
+                    {"tau/held_out": tau(2_000_000 + blocks) - dip, "step": step, "blocks": blocks}]
+    ends_before = [{"blocks": b, "tau": tau(b)} for b in (500_000, 1_000_000, 2_000_000)]
+    ends = piece_ends(history, 2_000_000, ends_before)
+    assert ends == [*ends_before, {"blocks": 2_300_000, "tau": tau(2_300_000)}]
+    assert piece_ends(history[:1], 2_000_000, ends_before) == ends_before  # its start is the last end measured again
+    (tmp_path / "ends").mkdir()
+    card = card_section(history, tmp_path / "ends", 2_000_000, ends_before)
+    assert "Fit through where each of the 4 pieces of training ended" in card
+    assert "τ = 1.00 + 0.250·ln(blocks)" in card and f"τ 3 at {math.exp(8.0):.3g} blocks" in card
+    assert (tmp_path / "ends" / "tau_by_compute.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "every").mkdir()
+    alone = card_section(history, tmp_path / "every", 2_000_000)
+    assert "Fit over every logged point" in alone and "0.250·ln" not in alone  # the dips pull the fit away
 
 
 def test_acceptance_eval_drafts_in_fp32_during_a_bf16_run(setup, tmp_path):

@@ -1,6 +1,7 @@
 """Held-out τ against the training blocks a drafter has seen: the points a run logs (`tau/held_out` with `blocks`),
-a least-squares fit τ = a + b·ln(blocks) over them, the blocks that fit puts at τ 3 and 4, and the plot. Used by
-`scripts/tau_by_training.py --from-logs` and by the model card a training run writes (`model_card.py`)."""
+a least-squares fit τ = a + b·ln(blocks) over them (or over where each piece of training ended), the blocks that
+fit puts at τ 3 and 4, and the plot. Used by `scripts/tau_by_training.py --from-logs` and by the model card a training
+run writes (`model_card.py`)."""
 
 from __future__ import annotations
 
@@ -112,19 +113,40 @@ def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_
                       for t, x in goals.items()}}
 
 
-def card_section(log_history: list[dict], folder, blocks_before: int = 0) -> str | None:
+def piece_ends(log_history: list[dict], blocks_before: int = 0, ends_before=(), key: str = "tau/held_out") -> list[dict]:
+    """Where each piece of training ended, `[{"blocks", "tau"}]`: `ends_before` (the starting drafter's
+    `held_out_tau_ends`) and this run's last logged `key` on the whole block count (when it logged one after
+    training: its start-of-run τ is the starting drafter's end measured again)."""
+    rows = rows_from_logs(log_history, key, blocks_before)
+    ends = [{"blocks": int(e["blocks"]), "tau": float(e["tau"])} for e in ends_before]
+    if rows and rows[-1]["blocks"] > blocks_before:
+        ends.append({"blocks": rows[-1]["blocks"], "tau": rows[-1]["tau"]})
+    return ends
+
+
+def card_section(log_history: list[dict], folder, blocks_before: int = 0, ends_before=()) -> str | None:
     """Markdown for a model card: held-out τ against blocks seen, with `tau_by_compute.png` drawn into `folder`;
-    None when the run logged held-out τ at fewer than two points."""
-    result = curve(log_history, blocks_before)
+    None when the run logged held-out τ at fewer than two points. With `ends_before` (where the earlier pieces the
+    starting drafter came from ended), the fit runs through the pieces' ends (theirs and this run's last point, each
+    on an annealed learning rate) instead of every logged point: a piece restarted at its peak learning rate dips
+    before it recovers, and those dips would pull a fit over every point down."""
+    ends = piece_ends(log_history, blocks_before, ends_before)
+    fit_points = ends if ends_before and len({e["blocks"] for e in ends}) >= 2 else None
+    result = curve(log_history, blocks_before, fit_points=fit_points)
     if result is None:
         return None
     fit = (result["fit"]["a"], result["fit"]["b"])
     goals = {float(t): g["blocks"] for t, g in result["goals"].items()}
-    plot_compute(result["rows"], fit, goals, Path(folder) / "tau_by_compute.png", result["blocks_per_second"])
+    earlier = [{"label": f"piece {i + 1}", **e} for i, e in enumerate(ends[:-1])] if fit_points else []
+    plot_compute(result["rows"], fit, goals, Path(folder) / "tau_by_compute.png", result["blocks_per_second"],
+                 fitted=earlier, fit_over="the pieces' ends" if fit_points else "")
     first, last = result["rows"][0], result["rows"][-1]
     reach = "; ".join(f"τ {t:g} at {x:.3g} blocks" if x else f"τ {t:g} not reached by the fit"
                       for t, x in goals.items())
+    over = (f"Fit through where each of the {len(fit_points)} pieces of training ended (the earlier pieces' ends, "
+            f"recorded in the config's `held_out_tau_ends`, and this run's last point)" if fit_points
+            else "Fit over every logged point")
     return (f"Held-out τ (the trainer's `tau/held_out`: held-out TRAIN prompts, greedy, whole blocks) against "
             f"training blocks seen: {first['tau']:.3f} at {first['blocks']:,} blocks to {last['tau']:.3f} at "
-            f"{last['blocks']:,} ({len(result['rows'])} points). Fit τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks): "
+            f"{last['blocks']:,} ({len(result['rows'])} points). {over}: τ = {fit[0]:.2f} + {fit[1]:.3f}·ln(blocks): "
             f"{reach}.\n\n![held-out τ against training blocks seen](tau_by_compute.png)")

@@ -19,6 +19,7 @@ from angelspec_hf.modeling.drafter_utils import additive_mask
 from angelspec_hf.policy.costs import clock
 
 from .block_attention import block_training_attention
+from .compute_curve import piece_ends
 from .features import StatesStore, target_states
 from .losses import block_diffusion_loss, mtp_unrolled_loss, sample_anchors
 from .model_card import write_model_card
@@ -173,6 +174,8 @@ class DrafterTrainer(Trainer):
         self.add_callback(self.blocks_seen)
         # blocks the starting drafter had seen (its config's `training_blocks`, which `_save` keeps cumulative)
         self.blocks_before = int(getattr(self._drafter.config, "training_blocks", None) or 0)
+        # where the pieces of training before this run ended (`held_out_tau_ends`, which `_save` extends)
+        self.ends_before = list(getattr(self._drafter.config, "held_out_tau_ends", None) or [])
         self._last_log = None  # (time, blocks) at the previous log
         self.fitted_schedule = None
         if self.args.fit_schedule_to_time:
@@ -281,14 +284,18 @@ class DrafterTrainer(Trainer):
         """The card `push_to_hub` uploads: base model, data, block size and the measured τ per eval set."""
         write_model_card(self.args.output_dir, self._drafter, self.base_model_id, self.args.train_sets,
                          self.acceptance, self.training_summary, log_history=self.state.log_history,
-                         blocks_before=self.blocks_before)
+                         blocks_before=self.blocks_before, ends_before=self.ends_before)
 
     def _save(self, output_dir=None, state_dict=None):
         """Saves as `Trainer` does, with the drafter's config recording every training block it has seen
         (`training_blocks`: the starting drafter's and this run's), so a run continued from it plots its held-out τ
-        against the whole count."""
+        against the whole count, and where each piece of training ended (`held_out_tau_ends`: the starting
+        drafter's and this run's last logged held-out τ, `[{"blocks", "tau"}]`), which its card's fit runs through."""
         blocks = self.blocks_seen.count * self.accelerator.num_processes
         self._drafter.config.training_blocks = self.blocks_before + blocks
+        ends = piece_ends(self.state.log_history, self.blocks_before, self.ends_before)
+        if ends:
+            self._drafter.config.held_out_tau_ends = ends
         super()._save(output_dir, state_dict)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -59,6 +59,14 @@ def shipped_blocks() -> dict[str, int]:
     return found
 
 
+def recorded_ends(folder, blocks_before: int) -> int:
+    """How many pieces' ends before `blocks_before` a drafter folder's config records (`held_out_tau_ends`, which
+    every training run extends)."""
+    path = Path(folder) / "config.json"
+    ends = (json.loads(path.read_text()).get("held_out_tau_ends") or []) if path.is_file() else []
+    return sum(1 for end in ends if end["blocks"] <= blocks_before)
+
+
 class ResultError(RuntimeError):
     """A run or a returned folder that cannot be used (the message says why)."""
 
@@ -292,9 +300,12 @@ def next_steps(period_dir: Path, records: dict[str, dict], blocks_before: dict[s
         note = "" if family in blocks_before else (f" (add the blocks the shipped {family} had seen: receive "
                                                     f"--blocks-before {family}=N)")
         sets_flag = f" --sets {sets}" if family == "mtp" else ""
+        # where the drafter's config records the earlier pieces' ends (`held_out_tau_ends`: the CPU rounds' and
+        # earlier periods'), the curve is fitted through them and this period's end, as the shipped card's is
+        fit = " --fit-ends" if recorded_ends(period_dir / f"{family}-gpu", before) else "".join(earlier)
         lines.append(f"  held-out τ against training blocks (the τ-against-compute curve){note}:\n"
                      f"    python scripts/tau_by_training.py --from-logs {folder} --blocks-before {before}"
-                     f"{''.join(earlier)}{sets_flag} --out {rel}/tau-compute-{family}")
+                     f"{fit}{sets_flag} --out {rel}/tau-compute-{family}")
         full = " --full-vocab" if family == "dflash" else ""
         lines.append(f"  ship it (then the two commits of docs/contributing.md, \"Shipping new weights\"):\n"
                      f"    python -m angelspec_hf.ship {folder} {SHIPPED[family]}{full}")
