@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import angelspec_hf  # noqa: E402
 from angelspec_hf.shipped import drafter_for_target  # noqa: E402
 from angelspec_hf.trainer.compute_curve import (  # noqa: E402,F401 (blocks_for, fit_log_curve: for the tests)
-    blocks_for, curve, fit_log_curve, plot_compute)
+    SETTINGS, blocks_for, curve, fit_log_curve, plot_compute)
 from angelspec_hf.trainer.evaluation import measure_acceptance, paired_tau_ratio  # noqa: E402
 from angelspec_hf.weights_store import MANIFEST, WeightFile, write_blob  # noqa: E402
 from tune_stop_threshold import held_out_prompts  # noqa: E402
@@ -174,15 +175,22 @@ def run_ends(history: list[dict], blocks_before: int, key: str = "tau/held_out")
 
 def recorded_ends(run_dir, blocks_before: int) -> list[dict]:
     """Where the pieces before a run ended, as its config records them (`held_out_tau_ends`, written by every
-    training run: the starting drafter's list and its own end), those at or before `blocks_before` (the run's start),
-    labelled `piece N`; the run's own folder, else its newest checkpoint's. Empty when the config has none."""
+    training run: the starting drafter's list and its own end), those at or before `blocks_before` (the run's start)
+    and measured as the list's last end was (the same prompts and new tokens), labelled `piece N`; the run's own
+    folder's config, else its newest checkpoint's. Empty when the config has none."""
+    checkpoints = [p for p in Path(run_dir).glob("checkpoint-*/config.json")
+                   if re.fullmatch(r"checkpoint-\d+", p.parent.name)]
     configs = [Path(run_dir) / "config.json",
-               *sorted(Path(run_dir).glob("checkpoint-*/config.json"), key=lambda p: -int(p.parent.name.split("-")[-1]))]
+               *sorted(checkpoints, key=lambda p: -int(p.parent.name.split("-")[-1]))]
     for path in configs:
         if path.is_file():
             ends = json.loads(path.read_text()).get("held_out_tau_ends") or []
+            if not ends:
+                return []
+            settings = {k: ends[-1][k] for k in SETTINGS if k in ends[-1]}
             return [{"label": f"piece {i + 1}", "blocks": int(e["blocks"]), "tau": float(e["tau"])}
-                    for i, e in enumerate(ends) if e["blocks"] <= blocks_before]
+                    for i, e in enumerate(ends)
+                    if e["blocks"] <= blocks_before and all(e.get(k) == v for k, v in settings.items())]
     return []
 
 

@@ -114,10 +114,12 @@ def test_a_continued_run_plots_held_out_tau_against_every_block_seen(tiny, tmp_p
     assert f"{points[0]['tau/held_out']:.3f} at {seen:,} blocks" in card  # the count starts where the first run ended
     # each run records where it ended; the continued run's card fits through the two ends, not its three points
     first_end = {"blocks": seen, "tau": [h for h in json.loads((first / "trainer_state.json").read_text())
-                                         ["log_history"] if "tau/held_out" in h][-1]["tau/held_out"]}
+                                         ["log_history"] if "tau/held_out" in h][-1]["tau/held_out"],
+                 "prompts": 1, "max_new_tokens": 8}  # measured with the run's eval settings
     assert json.loads((first / "config.json").read_text())["held_out_tau_ends"] == [first_end]
     ends = json.loads((second / "config.json").read_text())["held_out_tau_ends"]
-    assert ends == [first_end, {"blocks": seen + points[-1]["blocks"], "tau": points[-1]["tau/held_out"]}]
+    assert ends == [first_end, {"blocks": seen + points[-1]["blocks"], "tau": points[-1]["tau/held_out"],
+                                "prompts": 1, "max_new_tokens": 8}]
     assert "Fit through where each of the 2 pieces of training ended" in card
     assert "Fit over every logged point" in (first / "README.md").read_text()  # a run from scratch: one end
 

@@ -319,10 +319,12 @@ def test_tau_by_compute_fits_the_ends_of_pieces(tmp_path):
     # the earlier ends a run's config records (`held_out_tau_ends`) stand in for --fitted; later ones are its own
     recorded = [{"blocks": 500_000, "tau": tau(500_000)}, {"blocks": 1_000_000, "tau": tau(1_000_000)},
                 {"blocks": 1_080_000, "tau": tau(1_080_000)}]
+    recorded = [dict(e, prompts=12) for e in recorded]
+    recorded.insert(1, {"blocks": 700_000, "tau": 1.0, "prompts": 2})  # measured otherwise: left out
     (first / "config.json").write_text(json.dumps({"held_out_tau_ends": recorded}))
     own = script.from_logs([first, second], tmp_path / "recorded", blocks_before=1_000_000, fit_ends=True)
     assert [p["blocks"] for p in own["fit"]["points"]] == [500_000, 1_000_000, 1_080_000, 1_230_000]
-    assert own["fit"]["b"] == pytest.approx(0.25) and [p["label"] for p in own["fitted"]] == ["piece 1", "piece 2"]
+    assert own["fit"]["b"] == pytest.approx(0.25) and [p["label"] for p in own["fitted"]] == ["piece 1", "piece 3"]
 
 
 def test_a_runs_card_fits_through_the_pieces_ends(tmp_path):
@@ -340,12 +342,18 @@ def test_a_runs_card_fits_through_the_pieces_ends(tmp_path):
     for step, blocks, dip in ((100, 100_000, 0.3), (200, 200_000, 0.2), (300, 300_000, 0.0)):
         history += [{"loss": 1.0, "step": step, "blocks": blocks, "blocks_per_second": 100.0},
                     {"tau/held_out": tau(2_000_000 + blocks) - dip, "step": step, "blocks": blocks}]
-    ends_before = [{"blocks": b, "tau": tau(b)} for b in (500_000, 1_000_000, 2_000_000)]
-    ends = piece_ends(history, 2_000_000, ends_before)
-    assert ends == [*ends_before, {"blocks": 2_300_000, "tau": tau(2_300_000)}]
+    settings = {"prompts": 12, "max_new_tokens": 64}
+    ends_before = [{"blocks": b, "tau": tau(b), **settings} for b in (500_000, 1_000_000, 2_000_000)]
+    ends = piece_ends(history, 2_000_000, ends_before, settings=settings)
+    assert ends == [*ends_before, {"blocks": 2_300_000, "tau": tau(2_300_000), **settings}]
     assert piece_ends(history[:1], 2_000_000, ends_before) == ends_before  # its start is the last end measured again
+    # a checkpoint saved before the run's last eval (blocks seen past the last τ) records no end of its own
+    assert piece_ends(history, 2_000_000, ends_before, blocks_now=310_000) == ends_before
+    assert piece_ends(history, 2_000_000, ends_before, settings=settings, blocks_now=300_000) == ends
+    # an end measured otherwise (a 2-prompt smoke eval) is kept in the record but not fitted
+    odd = {"blocks": 1_500_000, "tau": 1.0, "prompts": 2, "max_new_tokens": 8}
     (tmp_path / "ends").mkdir()
-    card = card_section(history, tmp_path / "ends", 2_000_000, ends_before)
+    card = card_section(history, tmp_path / "ends", 2_000_000, [*ends_before[:2], odd, ends_before[2]], settings)
     assert "Fit through where each of the 4 pieces of training ended" in card
     assert "τ = 1.00 + 0.250·ln(blocks)" in card and f"τ 3 at {math.exp(8.0):.3g} blocks" in card
     assert (tmp_path / "ends" / "tau_by_compute.png").read_bytes()[:4] == b"\x89PNG"

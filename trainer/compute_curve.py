@@ -113,25 +113,43 @@ def curve(log_history: list[dict], blocks_before: int = 0, key: str = "tau/held_
                       for t, x in goals.items()}}
 
 
-def piece_ends(log_history: list[dict], blocks_before: int = 0, ends_before=(), key: str = "tau/held_out") -> list[dict]:
-    """Where each piece of training ended, `[{"blocks", "tau"}]`: `ends_before` (the starting drafter's
-    `held_out_tau_ends`) and this run's last logged `key` on the whole block count (when it logged one after
-    training: its start-of-run τ is the starting drafter's end measured again)."""
+SETTINGS = ("prompts", "max_new_tokens")  # what an end's held-out τ was measured with
+
+
+def piece_ends(log_history: list[dict], blocks_before: int = 0, ends_before=(), key: str = "tau/held_out",
+               settings: dict | None = None, blocks_now: int | None = None) -> list[dict]:
+    """Where each piece of training ended, `[{"blocks", "tau", "prompts", "max_new_tokens"}]`: `ends_before` (the
+    starting drafter's `held_out_tau_ends`, all kept) and this run's last logged `key` on the whole block count, with
+    the eval `settings` it was measured with. The run's own end is added only when that τ was logged after it trained
+    (its start-of-run τ is the starting drafter's end measured again) and, with `blocks_now` (the blocks this run has
+    seen), at that count: a checkpoint saved before the run's last eval records no end of its own."""
     rows = rows_from_logs(log_history, key, blocks_before)
-    ends = [{"blocks": int(e["blocks"]), "tau": float(e["tau"])} for e in ends_before]
-    if rows and rows[-1]["blocks"] > blocks_before:
-        ends.append({"blocks": rows[-1]["blocks"], "tau": rows[-1]["tau"]})
+    ends = [{**{k: e[k] for k in SETTINGS if k in e}, "blocks": int(e["blocks"]), "tau": float(e["tau"])}
+            for e in ends_before]
+    if rows and rows[-1]["blocks"] > blocks_before and (blocks_now is None
+                                                         or rows[-1]["blocks"] == blocks_before + blocks_now):
+        ends.append({**(settings or {}), "blocks": rows[-1]["blocks"], "tau": rows[-1]["tau"]})
     return ends
 
 
-def card_section(log_history: list[dict], folder, blocks_before: int = 0, ends_before=()) -> str | None:
+def comparable(ends: list[dict], settings: dict | None) -> list[dict]:
+    """The ends measured with `settings` (the same number of prompts and new tokens), which one fit may join; all of
+    them when `settings` is None."""
+    if settings is None:
+        return list(ends)
+    return [e for e in ends if all(e.get(k) == settings.get(k) for k in SETTINGS)]
+
+
+def card_section(log_history: list[dict], folder, blocks_before: int = 0, ends_before=(),
+                 settings: dict | None = None) -> str | None:
     """Markdown for a model card: held-out τ against blocks seen, with `tau_by_compute.png` drawn into `folder`;
     None when the run logged held-out τ at fewer than two points. With `ends_before` (where the earlier pieces the
     starting drafter came from ended), the fit runs through the pieces' ends (theirs and this run's last point, each
     on an annealed learning rate) instead of every logged point: a piece restarted at its peak learning rate dips
-    before it recovers, and those dips would pull a fit over every point down."""
-    ends = piece_ends(log_history, blocks_before, ends_before)
-    fit_points = ends if ends_before and len({e["blocks"] for e in ends}) >= 2 else None
+    before it recovers, and those dips would pull a fit over every point down. `settings`: the run's eval settings
+    (`{"prompts", "max_new_tokens"}`); only earlier ends measured the same way join the fit."""
+    ends = comparable(piece_ends(log_history, blocks_before, ends_before, settings=settings), settings)
+    fit_points = ends if len(ends) > 1 and len({e["blocks"] for e in ends}) >= 2 else None
     result = curve(log_history, blocks_before, fit_points=fit_points)
     if result is None:
         return None

@@ -122,14 +122,15 @@ token was accepted, with `generate(assistant_model=...)`, whole blocks drafted:
     return "\n".join(header) + body
 
 
-def write_model_card(folder, *args, log_history=None, blocks_before: int = 0, ends_before=(), **kwargs) -> Path:
+def write_model_card(folder, *args, log_history=None, blocks_before: int = 0, ends_before=(), settings=None,
+                     **kwargs) -> Path:
     """README.md in `folder` (and from the trainer's `log_history`, when given: `loss_curve.png`, and
     `tau_by_compute.png` when the run logged held-out τ at two or more points, plotted against every block the drafter
     has seen, `blocks_before` the run included, and fitted through the pieces' ends when `ends_before` gives the
     earlier ones: `compute_curve.card_section`)."""
     if log_history and plot_loss_curve(log_history, Path(folder) / "loss_curve.png"):
         kwargs["loss_curve"] = "loss_curve.png"
-    if log_history and (section := card_section(log_history, folder, blocks_before, ends_before)):
+    if log_history and (section := card_section(log_history, folder, blocks_before, ends_before, settings)):
         kwargs["compute_curve"] = section
     if (Path(folder) / LOOKUP_CORPUS_FILE).is_file() and "corpus" not in kwargs:
         corpus = CorpusIndex.load(folder)

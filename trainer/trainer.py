@@ -176,6 +176,7 @@ class DrafterTrainer(Trainer):
         self.blocks_before = int(getattr(self._drafter.config, "training_blocks", None) or 0)
         # where the pieces of training before this run ended (`held_out_tau_ends`, which `_save` extends)
         self.ends_before = list(getattr(self._drafter.config, "held_out_tau_ends", None) or [])
+        self.eval_settings = {"prompts": self.args.eval_prompts, "max_new_tokens": self.args.eval_max_new_tokens}
         self._last_log = None  # (time, blocks) at the previous log
         self.fitted_schedule = None
         if self.args.fit_schedule_to_time:
@@ -284,16 +285,20 @@ class DrafterTrainer(Trainer):
         """The card `push_to_hub` uploads: base model, data, block size and the measured τ per eval set."""
         write_model_card(self.args.output_dir, self._drafter, self.base_model_id, self.args.train_sets,
                          self.acceptance, self.training_summary, log_history=self.state.log_history,
-                         blocks_before=self.blocks_before, ends_before=self.ends_before)
+                         blocks_before=self.blocks_before, ends_before=self.ends_before,
+                         settings=self.eval_settings)
 
     def _save(self, output_dir=None, state_dict=None):
         """Saves as `Trainer` does, with the drafter's config recording every training block it has seen
         (`training_blocks`: the starting drafter's and this run's), so a run continued from it plots its held-out τ
         against the whole count, and where each piece of training ended (`held_out_tau_ends`: the starting
-        drafter's and this run's last logged held-out τ, `[{"blocks", "tau"}]`), which its card's fit runs through."""
+        drafter's and this run's last logged held-out τ with its eval settings, `[{"blocks", "tau", "prompts",
+        "max_new_tokens"}]`; a checkpoint saved before the run's last eval adds none), which its card's fit runs
+        through."""
         blocks = self.blocks_seen.count * self.accelerator.num_processes
         self._drafter.config.training_blocks = self.blocks_before + blocks
-        ends = piece_ends(self.state.log_history, self.blocks_before, self.ends_before)
+        ends = piece_ends(self.state.log_history, self.blocks_before, self.ends_before, settings=self.eval_settings,
+                          blocks_now=blocks)
         if ends:
             self._drafter.config.held_out_tau_ends = ends
         super()._save(output_dir, state_dict)

@@ -300,9 +300,11 @@ def next_steps(period_dir: Path, records: dict[str, dict], blocks_before: dict[s
         note = "" if family in blocks_before else (f" (add the blocks the shipped {family} had seen: receive "
                                                     f"--blocks-before {family}=N)")
         sets_flag = f" --sets {sets}" if family == "mtp" else ""
-        # where the drafter's config records the earlier pieces' ends (`held_out_tau_ends`: the CPU rounds' and
-        # earlier periods'), the curve is fitted through them and this period's end, as the shipped card's is
-        fit = " --fit-ends" if recorded_ends(period_dir / f"{family}-gpu", before) else "".join(earlier)
+        # where the drafter's config records two or more earlier pieces' ends (`held_out_tau_ends`: the CPU rounds'
+        # and earlier periods') and this period logged its own, the curve is fitted through them, as the shipped
+        # card's is; with fewer, over every logged point, the earlier periods' ends drawn beside
+        fitted = last["tau_held_out"] and recorded_ends(period_dir / f"{family}-gpu", before) >= 2
+        fit = " --fit-ends" if fitted else "".join(earlier)
         lines.append(f"  held-out τ against training blocks (the τ-against-compute curve){note}:\n"
                      f"    python scripts/tau_by_training.py --from-logs {folder} --blocks-before {before}"
                      f"{fit}{sets_flag} --out {rel}/tau-compute-{family}")
