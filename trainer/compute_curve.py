@@ -149,7 +149,7 @@ def card_section(log_history: list[dict], folder, blocks_before: int = 0, ends_b
     before it recovers, and those dips would pull a fit over every point down. `settings`: the run's eval settings
     (`{"prompts", "max_new_tokens"}`); only earlier ends measured the same way join the fit."""
     ends = comparable(piece_ends(log_history, blocks_before, ends_before, settings=settings), settings)
-    fit_points = ends if len(ends) > 1 and len({e["blocks"] for e in ends}) >= 2 else None
+    fit_points = ends if len({e["blocks"] for e in ends}) >= 2 else None
     result = curve(log_history, blocks_before, fit_points=fit_points)
     if result is None:
         return None
