@@ -17,11 +17,11 @@ the same prompts, logged as `tau/held_out` with the `blocks` seen so far) is rea
 of the run (its own, or its newest checkpoint's), drawn against training blocks seen, and extrapolated to τ 3 and 4
 by a least-squares fit τ = a + b·ln(blocks); the blocks needed are converted to CPU hours at the run's median logged
 `blocks_per_second`. `--blocks-before` adds the blocks the starting drafter had already seen (its config's
-`training_blocks`: the shipped DFly 6,269,368; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
+`training_blocks`: the shipped DFly 8,648,078; round 5, 4,400 steps of 4 sequences × 64 anchors = 1,126,400).
 Several run folders, each run continuing the previous one's final drafter (`INIT=<previous>/dfly`), are read as one
 run and fitted together.
 
-    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 6269368 \
+    python scripts/tau_by_training.py --from-logs outputs/cpu-train/dfly --blocks-before 8648078 \
         --out outputs/tau-by-training          # writes tau_by_compute.json and tau_by_compute.png
 """
 

@@ -319,13 +319,13 @@ def test_the_returned_files_stay_within_eight_and_receive_rebuilds_them(tmp_path
     assert "--full-vocab" in text and "--sets sharegpt,alpaca" in text
     # every family's curve starts from the blocks its shipped drafter had seen (its config's training_blocks), and
     # DFly's, whose config records the CPU rounds' ends, is fitted through them
-    assert results.shipped_blocks() == {"dfly": 6_269_368, "dflash": 460_800, "mtp": 489_897}
-    assert "--blocks-before 6269368 --fit-ends --out" in text
+    assert results.shipped_blocks() == {"dfly": 8_648_078, "dflash": 460_800, "mtp": 489_897}
+    assert "--blocks-before 8648078 --fit-ends --out" in text
     assert "--blocks-before 460800 --out" in text and "--blocks-before 489897 --sets" in text
     # a returned DFly whose config records no earlier ends is drawn without the ends fit
     (final / "dfly-gpu" / "config.json").write_text(json.dumps({"model_type": "angelspec_dfly"}))
     records = {"dfly": results.read_record(final / "dfly-gpu")}
-    assert "--blocks-before 6269368 --out" in results.next_steps(final, records, results.shipped_blocks())
+    assert "--blocks-before 8648078 --out" in results.next_steps(final, records, results.shipped_blocks())
     with pytest.raises(results.ResultError, match="exists"):
         results.receive(out, tmp_path / "received")
     pieces[1].unlink()
